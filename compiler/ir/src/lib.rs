@@ -1,0 +1,1 @@
+//! braid-ir: see ARCHITECTURE.md.

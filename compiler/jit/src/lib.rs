@@ -1,0 +1,1 @@
+//! braid-jit: see ARCHITECTURE.md.

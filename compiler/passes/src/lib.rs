@@ -1,0 +1,1 @@
+//! braid-passes: see ARCHITECTURE.md.
