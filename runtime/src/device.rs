@@ -5,7 +5,11 @@ use tch::Device;
 /// The device a run uses when the user names none: the first CUDA device if libtorch sees one,
 /// else the CPU.
 pub fn default_device() -> Device {
-    if tch::Cuda::is_available() { Device::Cuda(0) } else { Device::Cpu }
+    if tch::Cuda::is_available() {
+        Device::Cuda(0)
+    } else {
+        Device::Cpu
+    }
 }
 
 /// Sets the number of CPU threads libtorch uses for intra-op parallelism.

@@ -1,5 +1,21 @@
 //! Braid's runtime: models, the generation engine, inference, training and the executor of a
 //! `Plan`. This is the only crate in the workspace that links libtorch (through `tch`); the
-//! compiler crates never depend on it.
+//! compiler crates never depend on it. See docs/runtime.md for how models, the engine and its
+//! stream work, and the invariants with the tests that keep them.
 
+pub mod cache;
+pub mod config;
 pub mod device;
+pub mod error;
+pub mod model;
+pub mod rng;
+pub mod tiny;
+pub mod tokenizer;
+pub mod weights;
+
+pub use cache::KvCache;
+pub use config::{Arch, ModelConfig};
+pub use error::{Error, Result};
+pub use model::{Head, LoadOptions, Model};
+pub use tiny::{TinyConfig, TinyVocab, tiny};
+pub use tokenizer::{ChatMessage, SpecialTokens, Tokenizer};

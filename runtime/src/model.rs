@@ -1,0 +1,863 @@
+//! Transformer models on libtorch: the Llama family (Llama 2/3, Mistral, Qwen2) and GPT-2,
+//! with a language-model, value or score head.
+//!
+//! Parameters live in a `tch::nn::VarStore` under exactly the Hugging Face tensor names
+//! (`model.layers.0.self_attn.q_proj.weight`, `transformer.h.0.attn.c_attn.weight`, ...), so a
+//! checkpoint loads and saves by name with no mapping table. Two forwards exist: `forward`
+//! (whole padded sequences, with autograd, for inference and later training) and
+//! `forward_cached` (appends tokens to a `KvCache`, always under `no_grad`, for generation).
+//! Both compute attention through the same function, so they agree (test
+//! `engine::tests::greedy_with_cache_equals_full_recompute`). This module must not sample,
+//! tokenize or read anything but weights.
+
+use std::path::{Path, PathBuf};
+
+use tch::nn::VarStore;
+use tch::{Device, Kind, Tensor};
+
+use crate::cache::KvCache;
+use crate::config::{Activation, Arch, ModelConfig, RopeScaling};
+use crate::error::{Error, Result};
+use crate::rng::Rng;
+use crate::weights::WeightFiles;
+
+/// What a model computes on top of its final hidden states.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Head {
+    /// Next-token logits (`lm_head.weight`, or the embedding when tied).
+    Lm,
+    /// A scalar per token (a critic). Stored as `score.weight` of shape `[1, hidden]`, the layout
+    /// of a transformers `*ForSequenceClassification` with one label, which is what TRL uses as
+    /// a value model; a checkpoint without it gets a new head initialised small.
+    Value,
+    /// A scalar per sequence, read at its last non-pad token (a reward model): `score.weight`
+    /// of a sequence-classification checkpoint.
+    Score,
+}
+
+/// How to load a model.
+#[derive(Debug, Clone, Copy)]
+pub struct LoadOptions {
+    pub head: Head,
+    /// Parameter dtype; `None` means f32 on the CPU and the checkpoint's dtype (or bf16) on GPUs.
+    pub dtype: Option<Kind>,
+    pub device: Device,
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        LoadOptions {
+            head: Head::Lm,
+            dtype: None,
+            device: Device::Cpu,
+        }
+    }
+}
+
+/// Standard deviation of a new value or score head: small, so that a fresh critic starts near
+/// zero and does not dominate early losses.
+const NEW_HEAD_STD: f64 = 1e-3;
+
+#[derive(Clone, Copy)]
+enum Init {
+    Normal(f64),
+    Zeros,
+    Ones,
+}
+
+struct Linear {
+    weight: Tensor,
+    bias: Option<Tensor>,
+}
+
+impl Linear {
+    fn forward(&self, x: &Tensor) -> Tensor {
+        x.linear(&self.weight, self.bias.as_ref())
+    }
+}
+
+/// GPT-2's Conv1D: weight stored as `[in, out]`.
+struct Conv1D {
+    weight: Tensor,
+    bias: Tensor,
+}
+
+impl Conv1D {
+    fn forward(&self, x: &Tensor) -> Tensor {
+        x.matmul(&self.weight) + &self.bias
+    }
+}
+
+struct LlamaLayer {
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+    input_norm: Tensor,
+    post_norm: Tensor,
+    window: Option<i64>,
+}
+
+struct Gpt2Layer {
+    ln1: (Tensor, Tensor),
+    c_attn: Conv1D,
+    attn_proj: Conv1D,
+    ln2: (Tensor, Tensor),
+    fc: Conv1D,
+    mlp_proj: Conv1D,
+}
+
+enum Body {
+    Llama {
+        embed: Tensor,
+        layers: Vec<LlamaLayer>,
+        norm: Tensor,
+        inv_freq: Tensor,
+    },
+    Gpt2 {
+        wte: Tensor,
+        wpe: Tensor,
+        layers: Vec<Gpt2Layer>,
+        ln_f: (Tensor, Tensor),
+    },
+}
+
+/// A transformer with one head, its parameters in a `VarStore`.
+pub struct Model {
+    vs: VarStore,
+    config: ModelConfig,
+    head: Head,
+    body: Body,
+    lm_head: Option<Tensor>,
+    score: Option<Tensor>,
+    kind: Kind,
+    device: Device,
+    /// Where the weights came from (for error messages); `tiny` for generated models.
+    source: PathBuf,
+}
+
+/// Collects parameters while the model is built, so that they can be filled afterwards.
+struct Builder {
+    vs: VarStore,
+    kind: Kind,
+    params: Vec<(String, Tensor, Init)>,
+}
+
+impl Builder {
+    fn param(&mut self, name: &str, dims: &[i64], init: Init) -> Result<Tensor> {
+        let (prefix, last) = match name.rsplit_once('.') {
+            Some((p, l)) => (p, l),
+            None => ("", name),
+        };
+        let mut path = self.vs.root();
+        for part in prefix.split('.').filter(|p| !p.is_empty()) {
+            path = path.sub(part);
+        }
+        let t = Tensor::f_empty(dims, (self.kind, self.vs.device()))?;
+        let t = path.add(last, t, true);
+        self.params.push((name.to_owned(), t.shallow_clone(), init));
+        Ok(t)
+    }
+
+    fn linear(&mut self, name: &str, out: i64, inp: i64, bias: bool) -> Result<Linear> {
+        let weight = self.param(&format!("{name}.weight"), &[out, inp], Init::Normal(0.02))?;
+        let bias = if bias {
+            Some(self.param(&format!("{name}.bias"), &[out], Init::Zeros)?)
+        } else {
+            None
+        };
+        Ok(Linear { weight, bias })
+    }
+
+    fn conv1d(&mut self, name: &str, inp: i64, out: i64) -> Result<Conv1D> {
+        Ok(Conv1D {
+            weight: self.param(&format!("{name}.weight"), &[inp, out], Init::Normal(0.02))?,
+            bias: self.param(&format!("{name}.bias"), &[out], Init::Zeros)?,
+        })
+    }
+
+    fn layer_norm(&mut self, name: &str, dim: i64) -> Result<(Tensor, Tensor)> {
+        Ok((
+            self.param(&format!("{name}.weight"), &[dim], Init::Ones)?,
+            self.param(&format!("{name}.bias"), &[dim], Init::Zeros)?,
+        ))
+    }
+}
+
+/// Where the parameters come from.
+pub(crate) enum Weights<'a> {
+    /// A checkpoint.
+    Files(&'a WeightFiles),
+    /// Random initialisation from a seed (tiny models, new heads).
+    Random(u64),
+}
+
+fn inv_freq(config: &ModelConfig, device: Device) -> Tensor {
+    let dim = config.head_dim;
+    let exponents = Tensor::arange_start_step(0, dim, 2, (Kind::Int64, device))
+        .to_kind(Kind::Float)
+        / dim as f64;
+    let base = Tensor::full([1], config.rope_theta, (Kind::Float, device));
+    let inv = base.pow(&exponents).reciprocal();
+    match config.rope_scaling {
+        RopeScaling::None => inv,
+        RopeScaling::Linear { factor } => inv / factor,
+        RopeScaling::Llama3 {
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_max_position_embeddings,
+        } => {
+            // transformers' `_compute_llama3_parameters`, in f32 like the reference.
+            let low_wavelen = original_max_position_embeddings / low_freq_factor;
+            let high_wavelen = original_max_position_embeddings / high_freq_factor;
+            let wavelen = inv.reciprocal() * (2.0 * std::f64::consts::PI);
+            let scaled = inv.where_self(&wavelen.le(low_wavelen), &(&inv / factor));
+            let smooth = (wavelen.reciprocal() * original_max_position_embeddings
+                - low_freq_factor)
+                / (high_freq_factor - low_freq_factor);
+            let smoothed = (smooth.ones_like() - &smooth) * &scaled / factor + &smooth * &scaled;
+            let medium = wavelen
+                .ge(high_wavelen)
+                .logical_and(&wavelen.le(low_wavelen));
+            smoothed.where_self(&medium, &scaled)
+        }
+    }
+}
+
+fn rotate_half(x: &Tensor) -> Tensor {
+    let half = x.size()[3] / 2;
+    let x1 = x.narrow(3, 0, half);
+    let x2 = x.narrow(3, half, half);
+    Tensor::cat(&[&(-x2), &x1], 3)
+}
+
+fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Tensor {
+    // As in transformers: normalise in f32, cast back, then scale.
+    let kind = x.kind();
+    let h = x.to_kind(Kind::Float);
+    let var = h.pow_tensor_scalar(2).mean_dim(-1, true, Kind::Float);
+    let h = h * (var + eps).rsqrt();
+    weight * h.to_kind(kind)
+}
+
+/// Scaled dot-product attention with grouped-query heads and a boolean mask (`true` = attend).
+/// q: `[B, H, T, D]`, k and v: `[B, Hkv, L, D]`, mask: `[B, 1, T, L]`. Returns `[B, T, H*D]`.
+/// Grouped heads are handled by folding the `H / Hkv` query heads of a group into the query
+/// axis, so keys and values are never copied.
+fn attend(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor) -> Tensor {
+    let (b, h, t, d) = q.size4().unwrap_or((0, 0, 0, 0));
+    let hkv = k.size()[1];
+    let rep = h / hkv;
+    let (q, mask) = if rep > 1 {
+        (q.reshape([b, hkv, rep * t, d]), mask.repeat([1, 1, rep, 1]))
+    } else {
+        (q.shallow_clone(), mask.shallow_clone())
+    };
+    let o =
+        Tensor::scaled_dot_product_attention(&q, k, v, Some(&mask), 0.0, false, None::<f64>, false);
+    o.reshape([b, h, t, d])
+        .transpose(1, 2)
+        .reshape([b, t, h * d])
+}
+
+/// Boolean attention mask `[B, 1, T, L]` for queries at positions `q_pos` `[B, T]` over keys at
+/// positions `k_pos` `[B, L]` with validity `k_valid` `[B, L]`: causal, windowed if asked, and a
+/// query always sees its own key (`self_index`), so no row is empty (an empty row would make
+/// softmax produce NaN even for pad queries, whose outputs are ignored but reach gradients).
+fn build_mask(
+    q_pos: &Tensor,
+    k_pos: &Tensor,
+    k_valid: &Tensor,
+    window: Option<i64>,
+    self_key: Option<&Tensor>,
+) -> Tensor {
+    let qp = q_pos.unsqueeze(2); // [B, T, 1]
+    let kp = k_pos.unsqueeze(1); // [B, 1, L]
+    let mut m = kp.le_tensor(&qp).logical_and(&k_valid.unsqueeze(1));
+    if let Some(w) = window {
+        m = m.logical_and(&(&qp - &kp).lt(w));
+    }
+    if let Some(s) = self_key {
+        m = m.logical_or(s);
+    }
+    m.unsqueeze(1)
+}
+
+impl Model {
+    /// Loads a Hugging Face model directory (`config.json` and safetensors weights).
+    pub fn load(dir: &Path, options: &LoadOptions) -> Result<Model> {
+        if !dir.is_dir() {
+            return Err(Error::file(
+                dir,
+                "not a model directory (expected config.json and model.safetensors)",
+            ));
+        }
+        let config = ModelConfig::from_file(&dir.join("config.json"))?;
+        let weights = WeightFiles::open(dir)?;
+        let kind = match options.dtype {
+            Some(k) => k,
+            None if options.device == Device::Cpu => Kind::Float,
+            None => match config.declared_dtype.as_deref() {
+                Some("float16") => Kind::Half,
+                Some("float32") => Kind::Float,
+                _ => Kind::BFloat16,
+            },
+        };
+        Model::build(
+            config,
+            options.head,
+            kind,
+            options.device,
+            Weights::Files(&weights),
+            dir.to_path_buf(),
+        )
+    }
+
+    /// Builds a model from a configuration with parameters filled from `weights`.
+    pub(crate) fn build(
+        config: ModelConfig,
+        head: Head,
+        kind: Kind,
+        device: Device,
+        weights: Weights<'_>,
+        source: PathBuf,
+    ) -> Result<Model> {
+        if !matches!(
+            kind,
+            Kind::Float | Kind::BFloat16 | Kind::Half | Kind::Double
+        ) {
+            return Err(Error::invalid(
+                "dtype",
+                format!("{kind:?} is not a floating-point dtype"),
+            ));
+        }
+        let vs = VarStore::new(device);
+        let mut b = Builder {
+            vs,
+            kind,
+            params: Vec::new(),
+        };
+        let c = &config;
+        let (h, v) = (c.hidden_size, c.vocab_size);
+        let body = match c.arch {
+            Arch::Llama => {
+                let embed = b.param("model.embed_tokens.weight", &[v, h], Init::Normal(0.02))?;
+                let mut layers = Vec::new();
+                for i in 0..c.num_layers {
+                    let p = format!("model.layers.{i}");
+                    let (qd, kvd) = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
+                    layers.push(LlamaLayer {
+                        q: b.linear(&format!("{p}.self_attn.q_proj"), qd, h, c.qkv_bias)?,
+                        k: b.linear(&format!("{p}.self_attn.k_proj"), kvd, h, c.qkv_bias)?,
+                        v: b.linear(&format!("{p}.self_attn.v_proj"), kvd, h, c.qkv_bias)?,
+                        o: b.linear(&format!("{p}.self_attn.o_proj"), h, qd, c.o_bias)?,
+                        gate: b.linear(
+                            &format!("{p}.mlp.gate_proj"),
+                            c.intermediate_size,
+                            h,
+                            c.mlp_bias,
+                        )?,
+                        up: b.linear(
+                            &format!("{p}.mlp.up_proj"),
+                            c.intermediate_size,
+                            h,
+                            c.mlp_bias,
+                        )?,
+                        down: b.linear(
+                            &format!("{p}.mlp.down_proj"),
+                            h,
+                            c.intermediate_size,
+                            c.mlp_bias,
+                        )?,
+                        input_norm: b.param(
+                            &format!("{p}.input_layernorm.weight"),
+                            &[h],
+                            Init::Ones,
+                        )?,
+                        post_norm: b.param(
+                            &format!("{p}.post_attention_layernorm.weight"),
+                            &[h],
+                            Init::Ones,
+                        )?,
+                        window: c.layer_windows.get(i as usize).copied().flatten(),
+                    });
+                }
+                let norm = b.param("model.norm.weight", &[h], Init::Ones)?;
+                Body::Llama {
+                    embed,
+                    layers,
+                    norm,
+                    inv_freq: inv_freq(c, device),
+                }
+            }
+            Arch::Gpt2 => {
+                let wte = b.param("transformer.wte.weight", &[v, h], Init::Normal(0.02))?;
+                let wpe = b.param(
+                    "transformer.wpe.weight",
+                    &[c.max_position_embeddings, h],
+                    Init::Normal(0.01),
+                )?;
+                let mut layers = Vec::new();
+                for i in 0..c.num_layers {
+                    let p = format!("transformer.h.{i}");
+                    layers.push(Gpt2Layer {
+                        ln1: b.layer_norm(&format!("{p}.ln_1"), h)?,
+                        c_attn: b.conv1d(&format!("{p}.attn.c_attn"), h, 3 * h)?,
+                        attn_proj: b.conv1d(&format!("{p}.attn.c_proj"), h, h)?,
+                        ln2: b.layer_norm(&format!("{p}.ln_2"), h)?,
+                        fc: b.conv1d(&format!("{p}.mlp.c_fc"), h, c.intermediate_size)?,
+                        mlp_proj: b.conv1d(&format!("{p}.mlp.c_proj"), c.intermediate_size, h)?,
+                    });
+                }
+                let ln_f = b.layer_norm("transformer.ln_f", h)?;
+                Body::Gpt2 {
+                    wte,
+                    wpe,
+                    layers,
+                    ln_f,
+                }
+            }
+        };
+        let embedding = match &body {
+            Body::Llama { embed, .. } => embed.shallow_clone(),
+            Body::Gpt2 { wte, .. } => wte.shallow_clone(),
+        };
+        let (lm_head, score) = match head {
+            Head::Lm if c.tie_word_embeddings => (Some(embedding), None),
+            Head::Lm => (
+                Some(b.param("lm_head.weight", &[v, h], Init::Normal(0.02))?),
+                None,
+            ),
+            Head::Value => (
+                None,
+                Some(b.param("score.weight", &[1, h], Init::Normal(NEW_HEAD_STD))?),
+            ),
+            Head::Score => (
+                None,
+                Some(b.param(
+                    "score.weight",
+                    &[c.num_labels.max(1), h],
+                    Init::Normal(NEW_HEAD_STD),
+                )?),
+            ),
+        };
+        let params = std::mem::take(&mut b.params);
+        fill(&params, &weights)?;
+        Ok(Model {
+            vs: b.vs,
+            config,
+            head,
+            body,
+            lm_head,
+            score,
+            kind,
+            device,
+            source,
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    /// The parameters, named as in Hugging Face checkpoints (for optimisers and saving).
+    pub fn var_store(&self) -> &VarStore {
+        &self.vs
+    }
+
+    /// The parameters, mutably (to freeze them or change their dtype or device).
+    pub fn var_store_mut(&mut self) -> &mut VarStore {
+        &mut self.vs
+    }
+
+    /// The head this model was built with.
+    pub fn head(&self) -> Head {
+        self.head
+    }
+
+    /// Parameter dtype.
+    pub fn kind(&self) -> Kind {
+        self.kind
+    }
+
+    /// Device of the parameters.
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// Where the weights came from (a directory, or `tiny`).
+    pub fn source(&self) -> &Path {
+        &self.source
+    }
+
+    /// An empty KV cache with `rows` rows for this model.
+    pub fn new_cache(&self, rows: usize) -> KvCache {
+        let c = &self.config;
+        KvCache::new(
+            c.num_layers as usize,
+            c.num_kv_heads,
+            c.head_dim,
+            rows,
+            self.kind,
+            self.device,
+        )
+    }
+
+    /// Checks that token ids are inside the vocabulary (the embedding would abort otherwise).
+    pub fn check_ids(&self, ids: &[i64], source_name: &str) -> Result<()> {
+        if let Some(bad) = ids.iter().find(|&&t| t < 0 || t >= self.config.vocab_size) {
+            return Err(Error::invalid(
+                source_name,
+                format!(
+                    "token id {bad} outside the vocabulary of {} ({})",
+                    self.config.vocab_size,
+                    self.source.display()
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Final hidden states `[B, T, hidden]` of whole sequences, with autograd when enabled.
+    /// `ids`: `[B, T]` int64; `attention_mask`: `[B, T]` with 1 for real tokens and 0 for
+    /// padding (left or right); positions count real tokens only, so a padded sequence gives the
+    /// same states as the unpadded one.
+    pub fn hidden_states(&self, ids: &Tensor, attention_mask: Option<&Tensor>) -> Tensor {
+        let (b, t) = ids.size2().unwrap_or((0, 0));
+        let dev = self.device;
+        let (pos, valid) = match attention_mask {
+            Some(m) => {
+                let m = m.to_device(dev);
+                let pos = (m.to_kind(Kind::Int64).cumsum(1, Kind::Int64) - 1).clamp_min(0);
+                (pos, m.to_kind(Kind::Bool))
+            }
+            None => (
+                Tensor::arange(t, (Kind::Int64, dev))
+                    .unsqueeze(0)
+                    .expand([b, t], true),
+                Tensor::ones([b, t], (Kind::Bool, dev)),
+            ),
+        };
+        let eye = Tensor::eye(t, (Kind::Bool, dev)).unsqueeze(0);
+        let mask_for = |w: Option<i64>| build_mask(&pos, &pos, &valid, w, Some(&eye));
+        let full = mask_for(None);
+        let ids = ids.to_device(dev);
+        match &self.body {
+            Body::Llama {
+                embed,
+                layers,
+                norm,
+                inv_freq,
+            } => {
+                let (cos, sin) = self.rope(inv_freq, &pos);
+                let mut x = Tensor::embedding(embed, &ids, -1, false, false);
+                for layer in layers {
+                    let mask = if layer.window.is_some() {
+                        mask_for(layer.window)
+                    } else {
+                        full.shallow_clone()
+                    };
+                    let (q, k, v) = self.llama_qkv(layer, &x, &cos, &sin);
+                    let a = attend(&q, &k, &v, &mask);
+                    x = self.llama_rest(layer, x, &a);
+                }
+                rms_norm(&x, norm, self.config.norm_eps)
+            }
+            Body::Gpt2 {
+                wte,
+                wpe,
+                layers,
+                ln_f,
+            } => {
+                let mut x = Tensor::embedding(wte, &ids, -1, false, false)
+                    + Tensor::embedding(wpe, &pos, -1, false, false);
+                for layer in layers {
+                    let (q, k, v) = self.gpt2_qkv(layer, &x);
+                    let a = attend(&q, &k, &v, &full);
+                    x = self.gpt2_rest(layer, x, &a);
+                }
+                x.layer_norm(
+                    [self.config.hidden_size],
+                    Some(&ln_f.0),
+                    Some(&ln_f.1),
+                    self.config.norm_eps,
+                    false,
+                )
+            }
+        }
+    }
+
+    /// Head outputs of whole sequences: logits `[B, T, V]` (Lm), values `[B, T]` (Value) or
+    /// per-token scores `[B, T, num_labels]` (Score).
+    pub fn forward(&self, ids: &Tensor, attention_mask: Option<&Tensor>) -> Tensor {
+        let h = self.hidden_states(ids, attention_mask);
+        self.apply_head(&h)
+    }
+
+    /// Applies this model's head to hidden states `[..., hidden]`.
+    pub fn apply_head(&self, hidden: &Tensor) -> Tensor {
+        match (self.head, &self.lm_head, &self.score) {
+            (Head::Lm, Some(w), _) => hidden.linear(w, None::<&Tensor>),
+            (Head::Value, _, Some(w)) => hidden.linear(w, None::<&Tensor>).squeeze_dim(-1),
+            (_, _, Some(w)) => hidden.linear(w, None::<&Tensor>),
+            // Unreachable by construction: `build` creates the weight each head needs.
+            _ => hidden.shallow_clone(),
+        }
+    }
+
+    /// Appends `ids` (`[rows, T]`) to every row of `cache` and returns the final hidden states
+    /// `[rows, T, hidden]` of the new tokens. Row `r` advances by `valid[r]` positions: a
+    /// right-padded prefill passes each prompt's true length, and the pad tokens' entries stay
+    /// past the row's length, where the mask hides them. Runs under `no_grad`.
+    pub fn forward_cached(&self, cache: &mut KvCache, ids: &Tensor, valid: &[i64]) -> Tensor {
+        tch::no_grad(|| self.forward_cached_inner(cache, ids, valid))
+    }
+
+    fn forward_cached_inner(&self, cache: &mut KvCache, ids: &Tensor, valid: &[i64]) -> Tensor {
+        let dev = self.device;
+        let (b, t) = ids.size2().unwrap_or((0, 0));
+        let lens = cache.lens().to_vec();
+        let used = lens.iter().map(|l| l + t).max().unwrap_or(t);
+        cache.reserve(used);
+        let cap = cache.capacity();
+        let hkv = self.config.num_kv_heads;
+        let hd = self.config.head_dim;
+        // Where the new keys go: row-major over (row, kv head, new token).
+        let mut bh = Vec::with_capacity((b * hkv * t) as usize);
+        let mut at = Vec::with_capacity((b * hkv * t) as usize);
+        let mut q_pos = Vec::with_capacity((b * t) as usize);
+        for (r, &l) in lens.iter().enumerate() {
+            for h in 0..hkv {
+                for i in 0..t {
+                    bh.push(r as i64 * hkv + h);
+                    at.push(l + i);
+                }
+            }
+            q_pos.extend((0..t).map(|i| l + i));
+        }
+        let bh = Tensor::from_slice(&bh).to_device(dev);
+        let at = Tensor::from_slice(&at).to_device(dev);
+        let pos = Tensor::from_slice(&q_pos).to_device(dev).reshape([b, t]);
+        let k_pos = Tensor::arange(used, (Kind::Int64, dev))
+            .unsqueeze(0)
+            .expand([b, used], true);
+        let k_valid = Tensor::ones([b, used], (Kind::Bool, dev));
+        let mask_for = |w: Option<i64>| build_mask(&pos, &k_pos, &k_valid, w, None);
+        let full = mask_for(None);
+        let ids = ids.to_device(dev);
+        let write_and_read =
+            |cache: &mut KvCache, l: usize, k: &Tensor, v: &Tensor| -> (Tensor, Tensor) {
+                let idx = [Some(bh.shallow_clone()), Some(at.shallow_clone())];
+                let _ = cache.keys[l].view([b * hkv, cap, hd]).index_put_(
+                    &idx,
+                    &k.reshape([b * hkv * t, hd]),
+                    false,
+                );
+                let _ = cache.values[l].view([b * hkv, cap, hd]).index_put_(
+                    &idx,
+                    &v.reshape([b * hkv * t, hd]),
+                    false,
+                );
+                (
+                    cache.keys[l].narrow(2, 0, used),
+                    cache.values[l].narrow(2, 0, used),
+                )
+            };
+        let out = match &self.body {
+            Body::Llama {
+                embed,
+                layers,
+                norm,
+                inv_freq,
+            } => {
+                let (cos, sin) = self.rope(inv_freq, &pos);
+                let mut x = Tensor::embedding(embed, &ids, -1, false, false);
+                for (l, layer) in layers.iter().enumerate() {
+                    let mask = if layer.window.is_some() {
+                        mask_for(layer.window)
+                    } else {
+                        full.shallow_clone()
+                    };
+                    let (q, k, v) = self.llama_qkv(layer, &x, &cos, &sin);
+                    let (kc, vc) = write_and_read(cache, l, &k, &v);
+                    let a = attend(&q, &kc, &vc, &mask);
+                    x = self.llama_rest(layer, x, &a);
+                }
+                rms_norm(&x, norm, self.config.norm_eps)
+            }
+            Body::Gpt2 {
+                wte,
+                wpe,
+                layers,
+                ln_f,
+            } => {
+                let mut x = Tensor::embedding(wte, &ids, -1, false, false)
+                    + Tensor::embedding(wpe, &pos, -1, false, false);
+                for (l, layer) in layers.iter().enumerate() {
+                    let (q, k, v) = self.gpt2_qkv(layer, &x);
+                    let (kc, vc) = write_and_read(cache, l, &k, &v);
+                    let a = attend(&q, &kc, &vc, &full);
+                    x = self.gpt2_rest(layer, x, &a);
+                }
+                x.layer_norm(
+                    [self.config.hidden_size],
+                    Some(&ln_f.0),
+                    Some(&ln_f.1),
+                    self.config.norm_eps,
+                    false,
+                )
+            }
+        };
+        cache.advance(valid);
+        out
+    }
+
+    /// cos and sin `[B, 1, T, D]` for positions `[B, T]`, computed in f32 as transformers does.
+    fn rope(&self, inv_freq: &Tensor, pos: &Tensor) -> (Tensor, Tensor) {
+        let freqs = pos.to_kind(Kind::Float).unsqueeze(-1) * inv_freq.view([1, 1, -1]);
+        let emb = Tensor::cat(&[&freqs, &freqs], -1).unsqueeze(1);
+        (emb.cos().to_kind(self.kind), emb.sin().to_kind(self.kind))
+    }
+
+    fn llama_qkv(
+        &self,
+        layer: &LlamaLayer,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+    ) -> (Tensor, Tensor, Tensor) {
+        let c = &self.config;
+        let (b, t, _) = x.size3().unwrap_or((0, 0, 0));
+        let h = rms_norm(x, &layer.input_norm, c.norm_eps);
+        let q = layer
+            .q
+            .forward(&h)
+            .view([b, t, c.num_heads, c.head_dim])
+            .transpose(1, 2);
+        let k = layer
+            .k
+            .forward(&h)
+            .view([b, t, c.num_kv_heads, c.head_dim])
+            .transpose(1, 2);
+        let v = layer
+            .v
+            .forward(&h)
+            .view([b, t, c.num_kv_heads, c.head_dim])
+            .transpose(1, 2);
+        let q = &q * cos + rotate_half(&q) * sin;
+        let k = &k * cos + rotate_half(&k) * sin;
+        (q, k, v)
+    }
+
+    fn llama_rest(&self, layer: &LlamaLayer, x: Tensor, attn: &Tensor) -> Tensor {
+        let x = x + layer.o.forward(attn);
+        let h = rms_norm(&x, &layer.post_norm, self.config.norm_eps);
+        let m = layer
+            .down
+            .forward(&(layer.gate.forward(&h).silu() * layer.up.forward(&h)));
+        x + m
+    }
+
+    fn gpt2_qkv(&self, layer: &Gpt2Layer, x: &Tensor) -> (Tensor, Tensor, Tensor) {
+        let c = &self.config;
+        let (b, t, _) = x.size3().unwrap_or((0, 0, 0));
+        let h = x.layer_norm(
+            [c.hidden_size],
+            Some(&layer.ln1.0),
+            Some(&layer.ln1.1),
+            c.norm_eps,
+            false,
+        );
+        let qkv = layer.c_attn.forward(&h);
+        let parts = qkv.split(c.hidden_size, 2);
+        let shape = |t_: &Tensor| t_.view([b, t, c.num_heads, c.head_dim]).transpose(1, 2);
+        (shape(&parts[0]), shape(&parts[1]), shape(&parts[2]))
+    }
+
+    fn gpt2_rest(&self, layer: &Gpt2Layer, x: Tensor, attn: &Tensor) -> Tensor {
+        let c = &self.config;
+        let x = x + layer.attn_proj.forward(attn);
+        let h = x.layer_norm(
+            [c.hidden_size],
+            Some(&layer.ln2.0),
+            Some(&layer.ln2.1),
+            c.norm_eps,
+            false,
+        );
+        let h = layer.fc.forward(&h);
+        let h = match c.activation {
+            Activation::GeluTanh => h.gelu("tanh"),
+            Activation::Gelu => h.gelu("none"),
+            Activation::Relu => h.relu(),
+            Activation::Silu => h.silu(),
+        };
+        x + layer.mlp_proj.forward(&h)
+    }
+
+    /// The tensors to save, by Hugging Face name (a tied `lm_head.weight` is not listed: it is
+    /// the embedding).
+    pub fn named_parameters(&self) -> Vec<(String, Tensor)> {
+        let mut v: Vec<(String, Tensor)> = self.vs.variables().into_iter().collect();
+        v.sort_by(|a, b| a.0.cmp(&b.0));
+        v
+    }
+}
+
+/// Fills parameters from a checkpoint or a seeded generator.
+fn fill(params: &[(String, Tensor, Init)], weights: &Weights<'_>) -> Result<()> {
+    match weights {
+        Weights::Files(files) => {
+            // Checkpoints of base models (LlamaModel, GPT2Model) have no `model.` /
+            // `transformer.` prefix; accept both spellings.
+            let mut new_heads = Vec::new();
+            for (name, t, init) in params {
+                let stripped = name
+                    .strip_prefix("model.")
+                    .or_else(|| name.strip_prefix("transformer."));
+                let src = if files.contains(name) {
+                    name.as_str()
+                } else if let Some(s) = stripped.filter(|s| files.contains(s)) {
+                    s
+                } else if name == "score.weight" {
+                    new_heads.push((name.clone(), t.shallow_clone(), *init));
+                    continue;
+                } else {
+                    let hint = if name == "lm_head.weight" {
+                        " (the checkpoint has no language-model head; is it a reward or value model?)"
+                    } else {
+                        ""
+                    };
+                    return Err(Error::file(
+                        files.first_path(),
+                        format!("missing tensor `{name}`{hint}"),
+                    ));
+                };
+                let mut dst = t.shallow_clone();
+                files.copy_into(src, &mut dst)?;
+            }
+            fill_random(&new_heads, 0)
+        }
+        Weights::Random(seed) => fill_random(params, *seed),
+    }
+}
+
+fn fill_random(params: &[(String, Tensor, Init)], seed: u64) -> Result<()> {
+    let mut rng = Rng::new(seed);
+    for (_, t, init) in params {
+        let n = t.numel();
+        let data: Vec<f32> = match init {
+            Init::Normal(std) => (0..n).map(|_| (rng.normal() * std) as f32).collect(),
+            Init::Zeros => vec![0.0; n],
+            Init::Ones => vec![1.0; n],
+        };
+        let src = Tensor::f_from_slice(&data)?.f_reshape(t.size())?;
+        let mut dst = t.shallow_clone();
+        tch::no_grad(|| dst.f_copy_(&src))?;
+    }
+    Ok(())
+}

@@ -1,0 +1,171 @@
+//! Parity with transformers: logits and greedy generations of the fixtures made by
+//! `scripts/make_fixtures.py` (tiny random models of each supported architecture).
+
+#![allow(clippy::unwrap_used)] // Test helpers: a failed unwrap is a failed test.
+
+use std::path::PathBuf;
+
+use braid_runtime::{Head, LoadOptions, Model, Tokenizer};
+use serde_json::Value;
+use tch::{Kind, Tensor};
+
+fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name)
+}
+
+fn expected(name: &str) -> Value {
+    let text = std::fs::read_to_string(fixture(name).join("expected.json")).unwrap();
+    serde_json::from_str(&text).unwrap()
+}
+
+fn ids(v: &Value) -> Vec<i64> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_i64().unwrap())
+        .collect()
+}
+
+fn floats(v: &Value) -> Vec<f32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap() as f32)
+        .collect()
+}
+
+/// Greedy decoding through the KV cache, one token per step.
+fn greedy_cached(model: &Model, prompt: &[i64], steps: usize) -> Vec<i64> {
+    let mut cache = model.new_cache(1);
+    let ids = Tensor::from_slice(prompt).unsqueeze(0);
+    let h = model.forward_cached(&mut cache, &ids, &[prompt.len() as i64]);
+    let mut logits = model.apply_head(&h.narrow(1, prompt.len() as i64 - 1, 1));
+    let mut out = Vec::new();
+    for _ in 0..steps {
+        let next = logits.reshape([-1]).argmax(0, false).int64_value(&[]);
+        out.push(next);
+        let h = model.forward_cached(&mut cache, &Tensor::from_slice(&[next]).unsqueeze(0), &[1]);
+        logits = model.apply_head(&h);
+    }
+    out
+}
+
+fn check(name: &str) {
+    let dir = fixture(name);
+    let model = Model::load(&dir, &LoadOptions::default()).unwrap();
+    let tok = Tokenizer::from_dir(&dir, model.config()).unwrap();
+    assert!(tok.vocab_size() <= model.config().vocab_size as usize);
+    let exp = expected(name);
+    let input = ids(&exp["input_ids"]);
+    let want = floats(&exp["logits"]);
+    let got = tch::no_grad(|| model.forward(&Tensor::from_slice(&input).unsqueeze(0), None));
+    let got: Vec<f32> = Vec::try_from(got.to_kind(Kind::Float).reshape([-1])).unwrap();
+    assert_eq!(got.len(), want.len());
+    let max_diff = got
+        .iter()
+        .zip(&want)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f32, f32::max);
+    assert!(max_diff < 1e-4, "{name}: logits differ by {max_diff}");
+    let prompt = ids(&exp["greedy"]["prompt"]);
+    let tokens = ids(&exp["greedy"]["tokens"]);
+    assert_eq!(
+        greedy_cached(&model, &prompt, tokens.len()),
+        tokens,
+        "{name}: greedy tokens"
+    );
+}
+
+#[test]
+fn llama_gqa_matches_transformers() {
+    check("llama_gqa");
+}
+
+#[test]
+fn llama_sharded_checkpoint_matches_transformers() {
+    check("llama_sharded");
+}
+
+#[test]
+fn llama_tied_embeddings_match_transformers() {
+    check("llama_tied");
+}
+
+#[test]
+fn llama3_rope_scaling_matches_transformers() {
+    check("llama3_rope");
+}
+
+#[test]
+fn llama_linear_rope_scaling_matches_transformers() {
+    check("llama_linear_rope");
+}
+
+#[test]
+fn qwen2_attention_biases_match_transformers() {
+    check("qwen2_bias");
+}
+
+#[test]
+fn mistral_sliding_window_matches_transformers() {
+    check("mistral_window");
+}
+
+#[test]
+fn gpt2_matches_transformers() {
+    check("gpt2");
+}
+
+#[test]
+fn reward_model_scores_match_transformers() {
+    let dir = fixture("llama_rm");
+    let model = Model::load(
+        &dir,
+        &LoadOptions {
+            head: Head::Score,
+            ..LoadOptions::default()
+        },
+    )
+    .unwrap();
+    let exp = expected("llama_rm");
+    let seqs: Vec<Vec<i64>> = exp["score_batch"]["ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(ids)
+        .collect();
+    let want = floats(&exp["score_batch"]["scores"]);
+    // One sequence at a time (no padding) and the batch (right padding) must both agree.
+    for (seq, w) in seqs.iter().zip(&want) {
+        let out = tch::no_grad(|| model.forward(&Tensor::from_slice(seq).unsqueeze(0), None));
+        let last = out.double_value(&[0, seq.len() as i64 - 1, 0]) as f32;
+        assert!((last - w).abs() < 1e-4, "score {last} vs {w}");
+    }
+}
+
+#[test]
+fn bf16_and_f16_weights_give_close_logits() {
+    let dir = fixture("llama_gqa");
+    let exp = expected("llama_gqa");
+    let input = Tensor::from_slice(&ids(&exp["input_ids"])).unsqueeze(0);
+    let want = Tensor::from_slice(&floats(&exp["logits"]));
+    for kind in [Kind::BFloat16, Kind::Half] {
+        let model = Model::load(
+            &dir,
+            &LoadOptions {
+                dtype: Some(kind),
+                ..LoadOptions::default()
+            },
+        )
+        .unwrap();
+        assert_eq!(model.kind(), kind);
+        let got = tch::no_grad(|| model.forward(&input, None))
+            .to_kind(Kind::Float)
+            .reshape([-1]);
+        let diff = (got - &want).abs().max().double_value(&[]);
+        // Reduced precision: 8 (bf16) or 11 (f16) mantissa bits over two layers.
+        assert!(diff < 0.15, "{kind:?}: logits differ by {diff}");
+    }
+}
