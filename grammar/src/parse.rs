@@ -1,0 +1,1325 @@
+//! From pest pairs to the syntax tree, and from pest errors to diagnostics (in one function,
+//! [`syntax_error`]).
+
+use braid_diagnostics::{Code, Diagnostic, FileId, Span};
+use pest::Parser as _;
+use pest::iterators::Pair;
+
+use crate::ast::*;
+
+#[derive(pest_derive::Parser)]
+#[grammar = "rlhf.pest"]
+struct RlhfParser;
+
+type P<'a> = Pair<'a, Rule>;
+
+/// Parses one file. Never fails: what could not be parsed becomes `Item::Error` nodes, and
+/// every problem is a diagnostic with a code and a span.
+pub fn parse(text: &str, file: FileId) -> (File, Vec<Diagnostic>) {
+    // Error detail makes pest record which tokens it expected, so syntax errors can say
+    // "expected `)`" instead of naming grammar rules. It is a process-wide switch; it is only
+    // ever turned on, so concurrent parses agree.
+    pest::set_error_detail(true);
+    let mut b = Builder {
+        file,
+        diags: Vec::new(),
+    };
+    let items = match RlhfParser::parse(Rule::file, text) {
+        Ok(mut pairs) => match pairs.next() {
+            Some(file_pair) => b.file(file_pair),
+            None => Vec::new(),
+        },
+        // The `recover` rule accepts any text, so the file rule cannot fail; if it ever does,
+        // report it as a syntax error over the whole file rather than panic.
+        Err(e) => {
+            let d = syntax_error(&e, file, 0, text);
+            b.diags.push(d);
+            vec![Item::Error(Span::new(file, 0, text.len()))]
+        }
+    };
+    let span = Span::new(file, 0, text.len());
+    (File { items, span }, b.diags)
+}
+
+/// A grammar rule's name as users should read it in "expected …" messages, or `None` for rules
+/// that only structure the grammar.
+pub fn readable_rule(rule: Rule) -> Option<&'static str> {
+    Some(match rule {
+        Rule::ident => "a name",
+        Rule::path => "a name",
+        Rule::int => "an integer",
+        Rule::float => "a number",
+        Rule::string | Rule::raw_string => "a string",
+        Rule::bool_lit => "`true` or `false`",
+        Rule::expr_stmt | Rule::or_expr | Rule::and_expr | Rule::cmp_expr | Rule::add_expr => {
+            "an expression"
+        }
+        Rule::mul_expr | Rule::unary | Rule::postfix | Rule::paren | Rule::if_expr => {
+            "an expression"
+        }
+        Rule::scan_expr => "an expression",
+        Rule::type_expr | Rule::fn_type => "a type",
+        Rule::options => "an options block `{ … }`",
+        Rule::option => "an option `key: value`",
+        Rule::args | Rule::call_args => "arguments `( … )`",
+        Rule::param | Rule::params => "a parameter `name: Type`",
+        Rule::param_decl => "`param`",
+        Rule::local_model => "`model`",
+        Rule::each_block => "`each`",
+        Rule::let_stmt => "`let`",
+        Rule::block | Rule::scan_body => "a block `{ … }`",
+        Rule::source => "a source such as `tiny(…)` or `jsonl(\"…\")`",
+        Rule::selector => "a model call such as `generate(policy)`",
+        Rule::use_item => "`use`",
+        Rule::model_item => "`model`",
+        Rule::dataset_item => "`dataset`",
+        Rule::fn_item => "`fn`",
+        Rule::pipeline_item => "`pipeline`",
+        Rule::run_item => "`run`",
+        Rule::cluster_item => "`cluster`",
+        Rule::schedule_item => "`schedule`",
+        Rule::pin_fuse
+        | Rule::pin_migrate
+        | Rule::pin_interleave
+        | Rule::pin_place
+        | Rule::pin_speculate
+        | Rule::pin_micro_batch => "a pin",
+        Rule::named_arg => "a named argument",
+        Rule::cmp_op => "a comparison",
+        Rule::add_op | Rule::mul_op => "an operator",
+        Rule::op_or => "`||`",
+        Rule::op_and => "`&&`",
+        Rule::EOI => "end of file",
+        Rule::off => "`off`",
+        Rule::layout | Rule::layout_kind => "`tp`, `pp` or `dp`",
+        Rule::ngram => "`ngram(N)`",
+        Rule::draft => "`draft(model)`",
+        Rule::over => "`over`",
+        Rule::where_clause => "`where`",
+        Rule::field => "`.field`",
+        Rule::index => "`[index]`",
+        _ => return None,
+    })
+}
+
+/// The one place where pest errors become diagnostics. `offset` is where `text` starts in the
+/// file (re-parsed chunks start mid-file).
+fn syntax_error(
+    e: &pest::error::Error<Rule>,
+    file: FileId,
+    offset: usize,
+    text: &str,
+) -> Diagnostic {
+    let pos = match e.location {
+        pest::error::InputLocation::Pos(p) => p,
+        pest::error::InputLocation::Span((s, _)) => s,
+    };
+    let mut expected: Vec<String> = Vec::new();
+    if let pest::error::ErrorVariant::ParsingError { positives, .. } = &e.variant {
+        for r in positives {
+            if let Some(name) = readable_rule(*r) {
+                expected.push(name.to_string());
+            }
+        }
+    }
+    if let Some(attempts) = e.parse_attempts() {
+        for t in attempts.expected_tokens() {
+            // pest does not export the token type; its Debug form says which variant it is.
+            if format!("{t:?}").starts_with("Sensitive") {
+                let token = t.to_string();
+                match token.as_str() {
+                    "\n" => expected.push("a new line".to_string()),
+                    "\r" | "\t" | " " | "//" => {}
+                    _ => expected.push(format!("`{token}`")),
+                }
+            }
+        }
+    }
+    expected.sort();
+    expected.dedup();
+    // Prefer concrete tokens first, then descriptions.
+    expected.sort_by_key(|s| !s.starts_with('`'));
+    let found = describe_found(text, pos);
+    let start = offset + pos;
+    let end = start + found.1;
+    let what = if expected.is_empty() {
+        "a different token".to_string()
+    } else if expected.len() == 1 {
+        expected[0].clone()
+    } else {
+        let (last, rest) = expected
+            .split_last()
+            .map(|(l, r)| (l.clone(), r.to_vec()))
+            .unwrap_or_default();
+        format!("{} or {}", rest.join(", "), last)
+    };
+    Diagnostic::new(
+        Code::E0101,
+        format!("expected {what}, found {}", found.0),
+        Span::new(file, start, end),
+        format!("expected {what}"),
+    )
+    .with_help("the item is skipped up to the next line that starts with `use`, `model`, `dataset`, `fn`, `pipeline`, `run`, `cluster` or `schedule`")
+}
+
+/// What the parser found at `pos`: a description and its length in bytes.
+fn describe_found(text: &str, pos: usize) -> (String, usize) {
+    let rest = text.get(pos..).unwrap_or("");
+    let Some(c) = rest.chars().next() else {
+        return ("end of file".to_string(), 0);
+    };
+    if c == '\n' {
+        return ("end of line".to_string(), 0);
+    }
+    if c.is_alphanumeric() || c == '_' {
+        let word: String = rest
+            .chars()
+            .take_while(|c| c.is_alphanumeric() || *c == '_')
+            .collect();
+        let len = word.len();
+        return (format!("`{word}`"), len);
+    }
+    (format!("`{c}`"), c.len_utf8())
+}
+
+struct Builder {
+    file: FileId,
+    diags: Vec<Diagnostic>,
+}
+
+fn children(p: P<'_>) -> Vec<P<'_>> {
+    inner(p).collect()
+}
+
+/// The children of a pair, without keyword tokens (they carry no information the builder needs).
+fn inner(p: P<'_>) -> impl Iterator<Item = P<'_>> {
+    p.into_inner().filter(|c| !is_keyword(c.as_rule()))
+}
+
+fn is_keyword(r: Rule) -> bool {
+    matches!(
+        r,
+        Rule::kw_below
+            | Rule::kw_cluster
+            | Rule::kw_dataset
+            | Rule::kw_each
+            | Rule::kw_else
+            | Rule::kw_fn
+            | Rule::kw_fuse
+            | Rule::kw_if
+            | Rule::kw_in
+            | Rule::kw_interleave
+            | Rule::kw_let
+            | Rule::kw_max
+            | Rule::kw_micro_batch
+            | Rule::kw_migrate
+            | Rule::kw_model
+            | Rule::kw_on
+            | Rule::kw_param
+            | Rule::kw_pipeline
+            | Rule::kw_place
+            | Rule::kw_run
+            | Rule::kw_scan
+            | Rule::kw_schedule
+            | Rule::kw_speculate
+            | Rule::kw_use
+            | Rule::kw_where
+            | Rule::kw_with
+    )
+}
+
+impl Builder {
+    fn span(&self, p: &P<'_>) -> Span {
+        let s = p.as_span();
+        Span::new(self.file, s.start(), s.end())
+    }
+
+    fn file(&mut self, p: P<'_>) -> Vec<Item> {
+        let mut items = Vec::new();
+        for c in inner(p) {
+            match c.as_rule() {
+                Rule::EOI => {}
+                Rule::recover => items.push(self.recover(c)),
+                _ => items.push(self.item(c)),
+            }
+        }
+        items
+    }
+
+    /// Re-parses skipped text as one item to say what went wrong in it.
+    fn recover(&mut self, p: P<'_>) -> Item {
+        let span = self.span(&p);
+        let chunk = p.as_str();
+        let offset = p.as_span().start();
+        match RlhfParser::parse(Rule::item_only, chunk) {
+            Err(e) => {
+                let d = syntax_error(&e, self.file, offset, chunk);
+                self.diags.push(d);
+            }
+            Ok(_) => {
+                // The item parses alone but was not followed by a line break: the error is at
+                // its end, where a second item starts on the same line.
+                let trimmed = chunk.trim_end();
+                let d = Diagnostic::new(
+                    Code::E0101,
+                    "expected a new line or `;` after this item",
+                    Span::new(self.file, offset + trimmed.len(), offset + trimmed.len()),
+                    "expected a new line",
+                )
+                .with_help("put each item on its own line");
+                self.diags.push(d);
+            }
+        }
+        Item::Error(span)
+    }
+
+    fn item(&mut self, p: P<'_>) -> Item {
+        let span = self.span(&p);
+        match p.as_rule() {
+            Rule::use_item => {
+                let Some(c) = inner(p).next() else {
+                    return Item::Error(span);
+                };
+                let target = match c.as_rule() {
+                    Rule::string => UseTarget::File(self.string(c)),
+                    _ => UseTarget::Path(self.path(c)),
+                };
+                Item::Use(Use { target, span })
+            }
+            Rule::model_item => Item::Model(self.model_decl(p)),
+            Rule::dataset_item => Item::Dataset(self.model_decl(p)),
+            Rule::fn_item => Item::Fn(self.fn_decl(p)),
+            Rule::pipeline_item => Item::Pipeline(self.pipeline(p)),
+            Rule::run_item => {
+                let mut it = inner(p);
+                let (Some(path), Some(args)) = (it.next(), it.next()) else {
+                    return Item::Error(span);
+                };
+                let pipeline = self.path(path);
+                let args = self.args(args);
+                let settings = it.next().map(|o| self.options(o));
+                Item::Run(Run {
+                    pipeline,
+                    args,
+                    settings,
+                    span,
+                })
+            }
+            Rule::cluster_item => match inner(p).next() {
+                Some(o) => Item::Cluster(Cluster {
+                    options: self.options(o),
+                    span,
+                }),
+                None => Item::Error(span),
+            },
+            Rule::schedule_item => {
+                let pins = inner(p).map(|c| self.pin(c)).collect();
+                let close = Span::new(
+                    self.file,
+                    span.end.saturating_sub(1) as usize,
+                    span.end as usize,
+                );
+                Item::Schedule(Schedule { pins, close, span })
+            }
+            _ => Item::Error(span),
+        }
+    }
+
+    fn model_decl(&mut self, p: P<'_>) -> ModelDecl {
+        let span = self.span(&p);
+        let mut it = inner(p);
+        let name = it
+            .next()
+            .map(|c| self.ident(c))
+            .unwrap_or_else(|| self.missing_ident(span));
+        let source = match it.next() {
+            Some(s) => self.source(s),
+            None => Source {
+                path: Path {
+                    segments: vec![],
+                    span,
+                },
+                args: self.empty_args(span),
+                span,
+            },
+        };
+        let options = it.next().map(|o| self.options(o));
+        ModelDecl {
+            name,
+            source,
+            options,
+            span,
+        }
+    }
+
+    fn source(&mut self, p: P<'_>) -> Source {
+        let span = self.span(&p);
+        let mut it = inner(p);
+        let path = match it.next() {
+            Some(c) => self.path(c),
+            None => Path {
+                segments: vec![],
+                span,
+            },
+        };
+        let args = match it.next() {
+            Some(a) => self.args(a),
+            None => self.empty_args(span),
+        };
+        Source { path, args, span }
+    }
+
+    fn empty_args(&self, span: Span) -> Args {
+        Args {
+            positional: vec![],
+            named: vec![],
+            span,
+        }
+    }
+
+    fn missing_ident(&self, span: Span) -> Ident {
+        Ident {
+            name: String::new(),
+            span,
+        }
+    }
+
+    fn options(&mut self, p: P<'_>) -> Options {
+        let span = self.span(&p);
+        let mut entries: Vec<OptionEntry> = Vec::new();
+        for o in inner(p) {
+            let ospan = self.span(&o);
+            let mut it = inner(o);
+            let Some(k) = it.next() else { continue };
+            let key = self.ident(k);
+            let value = match it.next() {
+                None => OptionValue::Flag,
+                Some(v) if v.as_rule() == Rule::options => OptionValue::Record(self.options(v)),
+                Some(v) => OptionValue::Expr(self.expr(v)),
+            };
+            entries.push(OptionEntry {
+                key,
+                value,
+                span: ospan,
+            });
+        }
+        Options { entries, span }
+    }
+
+    fn fn_decl(&mut self, p: P<'_>) -> FnDecl {
+        let span = self.span(&p);
+        let mut name = self.missing_ident(span);
+        let mut params = Vec::new();
+        let mut ret = TypeExpr::Named(self.missing_ident(span));
+        let mut over = None;
+        let mut body = None;
+        for c in inner(p) {
+            match c.as_rule() {
+                Rule::ident => name = self.ident(c),
+                Rule::params => params = self.params(c),
+                Rule::type_expr => ret = self.type_expr(c),
+                Rule::over => over = inner(c).next().map(|i| self.ident(i)),
+                Rule::block => body = Some(self.block(c)),
+                _ => {}
+            }
+        }
+        let body = body.unwrap_or_else(|| Block {
+            lets: vec![],
+            value: Box::new(Expr {
+                kind: ExprKind::Error,
+                span,
+            }),
+            close: span,
+            span,
+        });
+        FnDecl {
+            name,
+            params,
+            ret,
+            over,
+            body,
+            span,
+        }
+    }
+
+    fn params(&mut self, p: P<'_>) -> Vec<Param> {
+        inner(p)
+            .map(|c| {
+                let span = self.span(&c);
+                let mut it = inner(c);
+                let name = it
+                    .next()
+                    .map(|i| self.ident(i))
+                    .unwrap_or_else(|| self.missing_ident(span));
+                let ty = match it.next() {
+                    Some(t) => self.type_expr(t),
+                    None => TypeExpr::Named(self.missing_ident(span)),
+                };
+                let default = it.next().map(|e| self.expr(e));
+                Param {
+                    name,
+                    ty,
+                    default,
+                    span,
+                }
+            })
+            .collect()
+    }
+
+    fn type_expr(&mut self, p: P<'_>) -> TypeExpr {
+        let span = self.span(&p);
+        let Some(ty) = inner(p).next() else {
+            return TypeExpr::Named(self.missing_ident(span));
+        };
+        match ty.as_rule() {
+            Rule::fn_type => {
+                let mut tys: Vec<TypeExpr> = inner(ty).map(|t| self.type_expr(t)).collect();
+                let ret = tys
+                    .pop()
+                    .unwrap_or_else(|| TypeExpr::Named(self.missing_ident(span)));
+                TypeExpr::Fn {
+                    params: tys,
+                    ret: Box::new(ret),
+                    span,
+                }
+            }
+            _ => TypeExpr::Named(self.ident(ty)),
+        }
+    }
+
+    fn pipeline(&mut self, p: P<'_>) -> Pipeline {
+        let span = self.span(&p);
+        let mut name = self.missing_ident(span);
+        let mut params = Vec::new();
+        let mut settings = Vec::new();
+        let mut models = Vec::new();
+        let mut each: Option<Each> = None;
+        // Members must come as params, then models, then one `each`.
+        let mut stage = 0u8;
+        for c in inner(p) {
+            let cspan = self.span(&c);
+            let (kind_stage, what) = match c.as_rule() {
+                Rule::param_decl => (0, "`param`"),
+                Rule::local_model => (1, "`model`"),
+                Rule::each_block => (2, "`each`"),
+                _ => (3, ""),
+            };
+            if kind_stage < 3 {
+                if kind_stage < stage || (kind_stage == 2 && each.is_some()) {
+                    if kind_stage == 2 {
+                        self.diags.push(
+                            Diagnostic::new(
+                                Code::E0108,
+                                "a pipeline has more than one `each`",
+                                cspan,
+                                "second `each`",
+                            )
+                            .with_label(each.as_ref().map_or(span, |e| e.span), "first `each`")
+                            .with_help("a pipeline describes one iteration: merge the bodies into one `each`"),
+                        );
+                        continue;
+                    }
+                    let after = if stage == 2 { "`each`" } else { "`model`" };
+                    self.diags.push(
+                        Diagnostic::new(
+                            Code::E0107,
+                            format!("{what} after {after} in pipeline body"),
+                            cspan,
+                            format!("{what} here"),
+                        )
+                        .with_help("write a pipeline's `param`s first, then its local `model`s, then its `each`"),
+                    );
+                }
+                stage = stage.max(kind_stage);
+            }
+            match c.as_rule() {
+                Rule::ident => name = self.ident(c),
+                Rule::params => params = self.params(c),
+                Rule::param_decl => settings.push(self.param_decl(c)),
+                Rule::local_model => models.push(self.model_decl(c)),
+                Rule::each_block => {
+                    if each.is_none() {
+                        each = Some(self.each(c));
+                    }
+                }
+                _ => {}
+            }
+        }
+        if each.is_none() {
+            self.diags.push(
+                Diagnostic::new(
+                    Code::E0108,
+                    format!("pipeline `{}` has no `each`", name.name),
+                    name.span,
+                    "no `each` in this pipeline",
+                )
+                .with_help("add the body of one iteration: `each step in steps { … }`"),
+            );
+        }
+        Pipeline {
+            name,
+            params,
+            settings,
+            models,
+            each,
+            span,
+        }
+    }
+
+    fn param_decl(&mut self, p: P<'_>) -> ParamDecl {
+        let span = self.span(&p);
+        let mut name = self.missing_ident(span);
+        let mut ty = TypeExpr::Named(self.missing_ident(span));
+        let mut default = None;
+        let mut where_ = None;
+        for c in inner(p) {
+            match c.as_rule() {
+                Rule::ident => name = self.ident(c),
+                Rule::type_expr => ty = self.type_expr(c),
+                Rule::where_clause => where_ = inner(c).next().map(|e| self.expr(e)),
+                _ => default = Some(self.expr(c)),
+            }
+        }
+        ParamDecl {
+            name,
+            ty,
+            default,
+            where_,
+            span,
+        }
+    }
+
+    fn each(&mut self, p: P<'_>) -> Each {
+        let span = self.span(&p);
+        let mut it = inner(p);
+        let var = it
+            .next()
+            .map(|i| self.ident(i))
+            .unwrap_or_else(|| self.missing_ident(span));
+        let count = match it.next() {
+            Some(e) => self.expr(e),
+            None => Expr {
+                kind: ExprKind::Error,
+                span,
+            },
+        };
+        let stmts = it.map(|s| self.stmt(s)).collect();
+        let close = Span::new(
+            self.file,
+            span.end.saturating_sub(1) as usize,
+            span.end as usize,
+        );
+        Each {
+            var,
+            count,
+            stmts,
+            close,
+            span,
+        }
+    }
+
+    fn stmt(&mut self, p: P<'_>) -> Stmt {
+        match p.as_rule() {
+            Rule::let_stmt => Stmt::Let(self.let_stmt(p)),
+            _ => {
+                let span = self.span(&p);
+                match inner(p).next() {
+                    Some(e) => Stmt::Expr(self.expr(e)),
+                    None => Stmt::Expr(Expr {
+                        kind: ExprKind::Error,
+                        span,
+                    }),
+                }
+            }
+        }
+    }
+
+    fn let_stmt(&mut self, p: P<'_>) -> Let {
+        let span = self.span(&p);
+        let mut it = inner(p);
+        let name = it
+            .next()
+            .map(|i| self.ident(i))
+            .unwrap_or_else(|| self.missing_ident(span));
+        let value = match it.next() {
+            Some(e) => self.expr(e),
+            None => Expr {
+                kind: ExprKind::Error,
+                span,
+            },
+        };
+        Let { name, value, span }
+    }
+
+    fn block(&mut self, p: P<'_>) -> Block {
+        let span = self.span(&p);
+        let mut lets = Vec::new();
+        let mut value = None;
+        for c in inner(p) {
+            match c.as_rule() {
+                Rule::let_stmt => lets.push(self.let_stmt(c)),
+                _ => value = Some(self.expr(c)),
+            }
+        }
+        let value = Box::new(value.unwrap_or(Expr {
+            kind: ExprKind::Error,
+            span,
+        }));
+        let close = Span::new(
+            self.file,
+            span.end.saturating_sub(1) as usize,
+            span.end as usize,
+        );
+        Block {
+            lets,
+            value,
+            close,
+            span,
+        }
+    }
+
+    fn pin(&mut self, p: P<'_>) -> Pin {
+        let span = self.span(&p);
+        let rule = p.as_rule();
+        let kids = children(p);
+        let kind = match rule {
+            Rule::pin_fuse => {
+                if kids.first().is_some_and(|k| k.as_rule() == Rule::off) {
+                    PinKind::FuseOff
+                } else {
+                    let mut sels: Vec<Selector> =
+                        kids.into_iter().map(|k| self.selector(k)).collect();
+                    let from = if sels.is_empty() {
+                        self.missing_selector(span)
+                    } else {
+                        sels.remove(0)
+                    };
+                    PinKind::Fuse { from, to: sels }
+                }
+            }
+            Rule::pin_migrate => match kids.into_iter().next() {
+                Some(k) if k.as_rule() == Rule::off => PinKind::MigrateOff,
+                Some(k) => {
+                    let s = self.span(&k);
+                    let percent = k
+                        .as_str()
+                        .replace('_', "")
+                        .parse::<f64>()
+                        .unwrap_or(f64::NAN);
+                    PinKind::MigrateBelow { percent, span: s }
+                }
+                None => PinKind::MigrateOff,
+            },
+            Rule::pin_interleave => {
+                PinKind::Interleave(kids.into_iter().map(|k| self.selector(k)).collect())
+            }
+            Rule::pin_place => {
+                let mut it = kids.into_iter();
+                let target = match it.next() {
+                    Some(k) => self.selector(k),
+                    None => self.missing_selector(span),
+                };
+                let from = it
+                    .next()
+                    .map(|k| self.int_lit(k))
+                    .unwrap_or(IntLit { value: 0, span });
+                let to = it
+                    .next()
+                    .map(|k| self.int_lit(k))
+                    .unwrap_or(IntLit { value: 0, span });
+                let mut layout = Vec::new();
+                for l in it {
+                    let mut li = inner(l);
+                    if let (Some(k), Some(n)) = (li.next(), li.next()) {
+                        let kind = match k.as_str().trim() {
+                            "tp" => LayoutKind::Tp,
+                            "pp" => LayoutKind::Pp,
+                            _ => LayoutKind::Dp,
+                        };
+                        layout.push((kind, self.int_lit(n)));
+                    }
+                }
+                PinKind::Place {
+                    target,
+                    from,
+                    to,
+                    layout,
+                }
+            }
+            Rule::pin_speculate => {
+                let mut target = None;
+                let mut mode = SpeculateMode::Off;
+                for k in kids {
+                    match k.as_rule() {
+                        Rule::selector => target = Some(self.selector(k)),
+                        Rule::ngram => {
+                            let mut ints = inner(k).map(|i| self.int_lit(i));
+                            let n = ints.next().unwrap_or(IntLit { value: 0, span });
+                            mode = SpeculateMode::Ngram {
+                                n,
+                                max: ints.next(),
+                            };
+                        }
+                        Rule::draft => {
+                            if let Some(i) = inner(k).next() {
+                                mode = SpeculateMode::Draft(self.ident(i));
+                            }
+                        }
+                        _ => mode = SpeculateMode::Off,
+                    }
+                }
+                PinKind::Speculate { target, mode }
+            }
+            _ => {
+                let mut it = kids.into_iter();
+                let target = match it.next() {
+                    Some(k) => self.selector(k),
+                    None => self.missing_selector(span),
+                };
+                let size = it
+                    .next()
+                    .map(|k| self.int_lit(k))
+                    .unwrap_or(IntLit { value: 0, span });
+                PinKind::MicroBatch { target, size }
+            }
+        };
+        Pin { kind, span }
+    }
+
+    fn missing_selector(&self, span: Span) -> Selector {
+        Selector {
+            op: self.missing_ident(span),
+            model: None,
+            span,
+        }
+    }
+
+    fn selector(&mut self, p: P<'_>) -> Selector {
+        let span = self.span(&p);
+        let mut it = inner(p);
+        let op = it
+            .next()
+            .map(|i| self.ident(i))
+            .unwrap_or_else(|| self.missing_ident(span));
+        let model = it.next().map(|i| self.ident(i));
+        Selector { op, model, span }
+    }
+
+    fn int_lit(&mut self, p: P<'_>) -> IntLit {
+        let span = self.span(&p);
+        let value = self.int_value(p.as_str(), span);
+        IntLit { value, span }
+    }
+
+    fn int_value(&mut self, text: &str, span: Span) -> i64 {
+        match text.replace('_', "").parse::<i64>() {
+            Ok(v) => v,
+            Err(_) => {
+                self.diags.push(
+                    Diagnostic::new(
+                        Code::E0103,
+                        format!("integer `{text}` is too large"),
+                        span,
+                        "out of range",
+                    )
+                    .with_help(format!(
+                        "integers range up to {}; write a float (`{text}.0`) for larger values",
+                        i64::MAX
+                    )),
+                );
+                0
+            }
+        }
+    }
+
+    fn ident(&self, p: P<'_>) -> Ident {
+        Ident {
+            name: p.as_str().to_string(),
+            span: self.span(&p),
+        }
+    }
+
+    fn path(&self, p: P<'_>) -> Path {
+        let span = self.span(&p);
+        let segments = inner(p).map(|i| self.ident(i)).collect();
+        Path { segments, span }
+    }
+
+    fn string(&mut self, p: P<'_>) -> StrLit {
+        let span = self.span(&p);
+        let raw = p.as_rule() == Rule::raw_string;
+        let mut inner_text = "";
+        let mut inner_start = span.start as usize;
+        let mut terminated = false;
+        for c in inner(p) {
+            match c.as_rule() {
+                Rule::string_inner | Rule::raw_inner => {
+                    inner_text = c.as_str();
+                    inner_start = c.as_span().start();
+                }
+                Rule::string_end => terminated = c.as_str() == "\"",
+                _ => {}
+            }
+        }
+        if !terminated {
+            self.diags.push(
+                Diagnostic::new(
+                    Code::E0102,
+                    "unterminated string",
+                    span,
+                    "this string has no closing `\"`",
+                )
+                .with_help(
+                    "close the string with `\"` on the same line; write a line break as `\\n`",
+                ),
+            );
+        }
+        let value = if raw {
+            inner_text.to_string()
+        } else {
+            self.unescape(inner_text, inner_start)
+        };
+        StrLit { value, raw, span }
+    }
+
+    fn unescape(&mut self, s: &str, start: usize) -> String {
+        let mut out = String::with_capacity(s.len());
+        let mut chars = s.char_indices().peekable();
+        while let Some((i, c)) = chars.next() {
+            if c != '\\' {
+                out.push(c);
+                continue;
+            }
+            let Some((j, e)) = chars.next() else { break };
+            let ok = match e {
+                'n' => Some('\n'),
+                't' => Some('\t'),
+                'r' => Some('\r'),
+                '0' => Some('\0'),
+                '\\' => Some('\\'),
+                '"' => Some('"'),
+                '\'' => Some('\''),
+                'u' => {
+                    // \u{XXXX}
+                    let rest = &s[j + 1..];
+                    let parsed = rest.strip_prefix('{').and_then(|r| {
+                        let close = r.find('}')?;
+                        let hex = &r[..close];
+                        let cp = u32::from_str_radix(hex, 16).ok()?;
+                        Some((char::from_u32(cp)?, close + 2))
+                    });
+                    match parsed {
+                        Some((ch, consumed)) => {
+                            for _ in 0..consumed {
+                                chars.next();
+                            }
+                            Some(ch)
+                        }
+                        None => None,
+                    }
+                }
+                _ => None,
+            };
+            match ok {
+                Some(ch) => out.push(ch),
+                None => {
+                    let end = j + e.len_utf8();
+                    let span = Span::new(self.file, start + i, start + end);
+                    self.diags.push(
+                        Diagnostic::new(Code::E0104, format!("unknown escape `\\{e}`"), span, "unknown escape")
+                            .with_help("escapes are `\\n`, `\\t`, `\\r`, `\\0`, `\\\\`, `\\\"` and `\\u{…}`; for a regex write a raw string `r\"…\"`"),
+                    );
+                }
+            }
+        }
+        out
+    }
+
+    fn args(&mut self, p: P<'_>) -> Args {
+        let span = self.span(&p);
+        let mut positional = Vec::new();
+        let mut named: Vec<NamedArg> = Vec::new();
+        for a in inner(p) {
+            if a.as_rule() == Rule::named_arg {
+                let aspan = self.span(&a);
+                let mut it = inner(a);
+                let name = it
+                    .next()
+                    .map(|i| self.ident(i))
+                    .unwrap_or_else(|| self.missing_ident(aspan));
+                let value = match it.next() {
+                    Some(e) => self.expr(e),
+                    None => Expr {
+                        kind: ExprKind::Error,
+                        span: aspan,
+                    },
+                };
+                named.push(NamedArg {
+                    name,
+                    value,
+                    shorthand: false,
+                    span: aspan,
+                });
+                continue;
+            }
+            let e = self.expr(a);
+            if named.is_empty() {
+                positional.push(e);
+                continue;
+            }
+            // After a named argument, a bare name `x` means `x: x`.
+            if let ExprKind::Path(path) = &e.kind {
+                if let Some(id) = path.as_single() {
+                    named.push(NamedArg {
+                        name: id.clone(),
+                        value: e.clone(),
+                        shorthand: true,
+                        span: e.span,
+                    });
+                    continue;
+                }
+            }
+            let first_named = named[0].span;
+            self.diags.push(
+                Diagnostic::new(
+                    Code::E0106,
+                    "positional argument after a named argument",
+                    e.span,
+                    "positional argument",
+                )
+                .with_label(first_named, "first named argument")
+                .with_help(
+                    "move positional arguments before named ones, or name this one: `name: value`",
+                ),
+            );
+        }
+        Args {
+            positional,
+            named,
+            span,
+        }
+    }
+
+    fn expr(&mut self, p: P<'_>) -> Expr {
+        let span = self.span(&p);
+        match p.as_rule() {
+            Rule::expr_stmt => match inner(p).next() {
+                Some(e) => self.expr(e),
+                None => Expr {
+                    kind: ExprKind::Error,
+                    span,
+                },
+            },
+            Rule::if_expr => {
+                let mut it = inner(p);
+                let cond = it.next().map(|c| self.expr(c));
+                let then = it.next().map(|b| self.block(b));
+                let else_ = it.next().map(|e| match e.as_rule() {
+                    Rule::block => {
+                        let b = self.block(e);
+                        Expr {
+                            span: b.span,
+                            kind: ExprKind::Block(b),
+                        }
+                    }
+                    _ => self.expr(e),
+                });
+                match (cond, then, else_) {
+                    (Some(c), Some(t), Some(e)) => Expr {
+                        kind: ExprKind::If {
+                            cond: Box::new(c),
+                            then: t,
+                            else_: Box::new(e),
+                        },
+                        span,
+                    },
+                    _ => Expr {
+                        kind: ExprKind::Error,
+                        span,
+                    },
+                }
+            }
+            Rule::scan_expr => self.scan(p),
+            Rule::or_expr | Rule::and_expr | Rule::add_expr | Rule::mul_expr => {
+                self.binary_chain(p)
+            }
+            Rule::cmp_expr => {
+                let kids = children(p);
+                let n_ops = kids.len() / 2;
+                if n_ops >= 2 {
+                    let op2 = &kids[3];
+                    let sp = self.span(op2);
+                    self.diags.push(
+                        Diagnostic::new(
+                            Code::E0105,
+                            "comparisons cannot be chained",
+                            sp,
+                            "second comparison",
+                        )
+                        .with_label(self.span(&kids[1]), "first comparison")
+                        .with_help("join two comparisons with `&&`: `a < b && b < c`"),
+                    );
+                }
+                self.fold_binary(kids, span)
+            }
+            Rule::unary => {
+                let mut kids = children(p);
+                let Some(last) = kids.pop() else {
+                    return Expr {
+                        kind: ExprKind::Error,
+                        span,
+                    };
+                };
+                let mut e = self.expr(last);
+                for op in kids.into_iter().rev() {
+                    let op_span = self.span(&op);
+                    let op = if op.as_str() == "-" {
+                        UnaryOp::Neg
+                    } else {
+                        UnaryOp::Not
+                    };
+                    let s = op_span.to(e.span);
+                    e = Expr {
+                        kind: ExprKind::Unary {
+                            op,
+                            operand: Box::new(e),
+                        },
+                        span: s,
+                    };
+                }
+                e
+            }
+            Rule::postfix => {
+                let mut it = inner(p);
+                let Some(first) = it.next() else {
+                    return Expr {
+                        kind: ExprKind::Error,
+                        span,
+                    };
+                };
+                let mut e = self.expr(first);
+                for op in it {
+                    let op_span = self.span(&op);
+                    let s = e.span.to(op_span);
+                    let kind = match op.as_rule() {
+                        Rule::call_args => {
+                            let args = match inner(op).next() {
+                                Some(a) => self.args(a),
+                                None => self.empty_args(op_span),
+                            };
+                            ExprKind::Call {
+                                callee: Box::new(e),
+                                args,
+                            }
+                        }
+                        Rule::field => {
+                            let name = match inner(op).next() {
+                                Some(i) => self.ident(i),
+                                None => self.missing_ident(op_span),
+                            };
+                            ExprKind::Field {
+                                base: Box::new(e),
+                                name,
+                            }
+                        }
+                        _ => {
+                            let index = match inner(op).next() {
+                                Some(i) => self.expr(i),
+                                None => Expr {
+                                    kind: ExprKind::Error,
+                                    span: op_span,
+                                },
+                            };
+                            ExprKind::Index {
+                                base: Box::new(e),
+                                index: Box::new(index),
+                            }
+                        }
+                    };
+                    e = Expr { kind, span: s };
+                }
+                e
+            }
+            Rule::paren => match inner(p).next() {
+                Some(inner) => Expr {
+                    kind: ExprKind::Paren(Box::new(self.expr(inner))),
+                    span,
+                },
+                None => Expr {
+                    kind: ExprKind::Error,
+                    span,
+                },
+            },
+            Rule::int => {
+                let v = self.int_value(p.as_str(), span);
+                Expr {
+                    kind: ExprKind::Int(v),
+                    span,
+                }
+            }
+            Rule::float => {
+                let text = p.as_str().replace('_', "");
+                match text.parse::<f64>() {
+                    Ok(v) if v.is_finite() => Expr {
+                        kind: ExprKind::Float(v),
+                        span,
+                    },
+                    _ => {
+                        self.diags.push(
+                            Diagnostic::new(
+                                Code::E0103,
+                                format!("number `{}` is out of range", p.as_str()),
+                                span,
+                                "not a finite float",
+                            )
+                            .with_help("floats range up to about 1.8e308"),
+                        );
+                        Expr {
+                            kind: ExprKind::Float(0.0),
+                            span,
+                        }
+                    }
+                }
+            }
+            Rule::string | Rule::raw_string => Expr {
+                kind: ExprKind::Str(self.string(p)),
+                span,
+            },
+            Rule::bool_lit => Expr {
+                kind: ExprKind::Bool(p.as_str().starts_with('t')),
+                span,
+            },
+            Rule::path => Expr {
+                kind: ExprKind::Path(self.path(p)),
+                span,
+            },
+            _ => Expr {
+                kind: ExprKind::Error,
+                span,
+            },
+        }
+    }
+
+    fn scan(&mut self, p: P<'_>) -> Expr {
+        let span = self.span(&p);
+        let mut reverse = false;
+        let mut idents = Vec::new();
+        let mut init = None;
+        let mut body = None;
+        for c in inner(p) {
+            match c.as_rule() {
+                Rule::reverse => reverse = true,
+                Rule::ident => idents.push(self.ident(c)),
+                Rule::scan_body => body = Some(c),
+                _ => init = Some(self.expr(c)),
+            }
+        }
+        let (Some(var), Some(acc), Some(init), Some(body)) =
+            (idents.first().cloned(), idents.get(1).cloned(), init, body)
+        else {
+            return Expr {
+                kind: ExprKind::Error,
+                span,
+            };
+        };
+        let bspan = self.span(&body);
+        let mut lets = Vec::new();
+        let mut target = None;
+        let mut value = None;
+        for c in inner(body) {
+            match c.as_rule() {
+                Rule::let_stmt => lets.push(self.let_stmt(c)),
+                Rule::ident => target = Some(self.ident(c)),
+                _ => value = Some(self.expr(c)),
+            }
+        }
+        let target = target.unwrap_or_else(|| self.missing_ident(bspan));
+        if target.name != acc.name {
+            self.diags.push(
+                Diagnostic::new(
+                    Code::E0109,
+                    format!(
+                        "`scan` body assigns `{}`, not its accumulator `{}`",
+                        target.name, acc.name
+                    ),
+                    target.span,
+                    "assigned here",
+                )
+                .with_label(acc.span, "the accumulator")
+                .with_help(format!(
+                    "end the body with `{} = …`; use `let` for other names",
+                    acc.name
+                )),
+            );
+        }
+        let value = value.unwrap_or(Expr {
+            kind: ExprKind::Error,
+            span: bspan,
+        });
+        let close = Span::new(
+            self.file,
+            bspan.end.saturating_sub(1) as usize,
+            bspan.end as usize,
+        );
+        let scan = Scan {
+            reverse,
+            var,
+            acc,
+            init: Box::new(init),
+            lets,
+            target,
+            value: Box::new(value),
+            close,
+        };
+        Expr {
+            kind: ExprKind::Scan(scan),
+            span,
+        }
+    }
+
+    fn binary_chain(&mut self, p: P<'_>) -> Expr {
+        let span = self.span(&p);
+        let kids = children(p);
+        self.fold_binary(kids, span)
+    }
+
+    /// Folds `a op b op c` left-associatively.
+    fn fold_binary(&mut self, kids: Vec<P<'_>>, span: Span) -> Expr {
+        let mut it = kids.into_iter();
+        let Some(first) = it.next() else {
+            return Expr {
+                kind: ExprKind::Error,
+                span,
+            };
+        };
+        let mut e = self.expr(first);
+        while let (Some(op), Some(rhs)) = (it.next(), it.next()) {
+            let op = match op.as_str().trim() {
+                "||" => BinaryOp::Or,
+                "&&" => BinaryOp::And,
+                "==" => BinaryOp::Eq,
+                "!=" => BinaryOp::Ne,
+                "<" => BinaryOp::Lt,
+                "<=" => BinaryOp::Le,
+                ">" => BinaryOp::Gt,
+                ">=" => BinaryOp::Ge,
+                "+" => BinaryOp::Add,
+                "-" => BinaryOp::Sub,
+                "*" => BinaryOp::Mul,
+                "/" => BinaryOp::Div,
+                _ => BinaryOp::Rem,
+            };
+            let rhs = self.expr(rhs);
+            let s = e.span.to(rhs.span);
+            e = Expr {
+                kind: ExprKind::Binary {
+                    op,
+                    lhs: Box::new(e),
+                    rhs: Box::new(rhs),
+                },
+                span: s,
+            };
+        }
+        e
+    }
+}
