@@ -6,16 +6,22 @@
 pub mod cache;
 pub mod config;
 pub mod device;
+pub mod engine;
 pub mod error;
 pub mod model;
 pub mod rng;
+pub mod sampling;
 pub mod tiny;
 pub mod tokenizer;
 pub mod weights;
 
 pub use cache::KvCache;
 pub use config::{Arch, ModelConfig};
+pub use engine::{
+    EngineOptions, FinishReason, Generation, Sample, generate, generate_stream, spawn_generation,
+};
 pub use error::{Error, Result};
 pub use model::{Head, LoadOptions, Model};
+pub use sampling::SamplingParams;
 pub use tiny::{TinyConfig, TinyVocab, tiny};
 pub use tokenizer::{ChatMessage, SpecialTokens, Tokenizer};

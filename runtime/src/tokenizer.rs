@@ -186,6 +186,11 @@ impl Tokenizer {
         &self.special
     }
 
+    /// Replaces the end-of-sequence ids (for models whose files declare them wrongly).
+    pub fn set_eos(&mut self, ids: Vec<i64>) {
+        self.special.eos = ids;
+    }
+
     /// Number of ids, special tokens included.
     pub fn vocab_size(&self) -> usize {
         match &self.inner {

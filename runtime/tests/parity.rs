@@ -5,7 +5,7 @@
 
 use std::path::PathBuf;
 
-use braid_runtime::{Head, LoadOptions, Model, Tokenizer};
+use braid_runtime::{EngineOptions, Head, LoadOptions, Model, SamplingParams, Tokenizer, generate};
 use serde_json::Value;
 use tch::{Kind, Tensor};
 
