@@ -76,6 +76,16 @@ fn check(name: &str) {
         tokens,
         "{name}: greedy tokens"
     );
+    // The same through the engine, batched with another prompt.
+    let params = SamplingParams {
+        greedy: true,
+        max_new_tokens: tokens.len(),
+        stop_at_eos: false,
+        ..SamplingParams::default()
+    };
+    let prompts = vec![input.clone(), prompt.clone()];
+    let out = generate(&model, &tok, prompts, params, EngineOptions::default()).unwrap();
+    assert_eq!(out[1].token_ids, tokens, "{name}: engine greedy tokens");
 }
 
 #[test]
