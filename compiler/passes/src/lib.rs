@@ -5,5 +5,7 @@
 //! prints and never links libtorch, so `braid plan` and `braid sim` run anywhere. Every random
 //! choice comes from an explicit seed, so the same input gives byte-identical output.
 
+pub mod cluster;
+pub mod cost;
 pub mod fused_pipeline;
 pub mod prng;

@@ -1,0 +1,563 @@
+//! The cost model: roofline times and per-device memory of model calls under a parallel layout
+//! `(dp, tp, pp)`, for the planner's search and the simulator.
+//!
+//! Every estimate is a closed formula over a [`ModelShape`], a [`DeviceSpec`] and a [`Layout`]
+//! (formulas and sources in `docs/planning.md`). The module is pure: it must not read files,
+//! measure the clock (only [`device::measure_cpu_flops`] does, when asked) or print. It returns
+//! data — an [`Overflow`] says which memory term overflows by how many bytes; turning that into
+//! an `E05xx` diagnostic naming the call is the planner's job.
+
+pub mod device;
+pub mod model;
+
+use std::fmt;
+
+use serde::Serialize;
+
+pub use device::{DeviceKind, DeviceSpec, measure_cpu_flops};
+pub use model::{BYTE_VOCAB, ModelShape};
+
+/// An error in the cost model's inputs (a bad config, an impossible layout).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CostError(pub String);
+
+impl fmt::Display for CostError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for CostError {}
+
+/// How a model call is split over devices: data-, tensor- and pipeline-parallel degrees.
+/// Ranks are numbered tensor-parallel innermost, then data-parallel, then pipeline, so
+/// tensor-parallel groups stay inside a node when they can (they talk every layer).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct Layout {
+    pub dp: u64,
+    pub tp: u64,
+    pub pp: u64,
+}
+
+impl Layout {
+    pub const SINGLE: Layout = Layout {
+        dp: 1,
+        tp: 1,
+        pp: 1,
+    };
+
+    pub fn devices(&self) -> u64 {
+        self.dp * self.tp * self.pp
+    }
+
+    /// Checks the layout against a model: degrees positive, heads divisible by `tp` (and
+    /// key-value heads, or `tp` a multiple of them), layers by `pp`.
+    pub fn check(&self, model: &ModelShape) -> Result<(), CostError> {
+        if self.dp == 0 || self.tp == 0 || self.pp == 0 {
+            return Err(CostError(format!(
+                "layout {self:?}: degrees must be positive"
+            )));
+        }
+        if !model.heads.is_multiple_of(self.tp) {
+            return Err(CostError(format!(
+                "{}: {} heads do not split over tp={}",
+                model.name, model.heads, self.tp
+            )));
+        }
+        if !model.layers.is_multiple_of(self.pp) {
+            return Err(CostError(format!(
+                "{}: {} layers do not split over pp={}",
+                model.name, model.layers, self.pp
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// The device a call runs on and how many of them share a node (which decides whether a
+/// collective crosses NVLink or the network). Values are in bf16 (2 bytes) unless changed.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct CostModel {
+    pub device: DeviceSpec,
+    pub devices_per_node: u64,
+    pub dtype_bytes: u64,
+}
+
+/// Times of one training step of one model, in seconds.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct TrainStepTime {
+    /// Forward of one micro-batch on one pipeline stage, tensor-parallel all-reduces included.
+    pub forward: f64,
+    /// Backward of one micro-batch on one stage: twice the forward's FLOPs and the same
+    /// all-reduces.
+    pub backward: f64,
+    /// 1F1B pipeline: `(M + pp - 1)(forward + backward)`.
+    pub pipeline: f64,
+    /// Fraction of the pipeline time each stage idles: `(pp - 1) / (M + pp - 1)`.
+    pub bubble_fraction: f64,
+    /// Data-parallel gradient all-reduce (not overlapped with the backward, to stay safe).
+    pub grad_allreduce: f64,
+    /// AdamW update: reads and writes fp32 master weights and both moments, reads gradients.
+    pub optimizer: f64,
+    pub total: f64,
+}
+
+impl CostModel {
+    pub fn new(device: DeviceSpec, devices_per_node: u64) -> CostModel {
+        CostModel {
+            device,
+            devices_per_node: devices_per_node.max(1),
+            dtype_bytes: 2,
+        }
+    }
+
+    /// Ring all-reduce of `bytes` over `ranks` devices spaced `stride` ranks apart: every rank
+    /// sends and receives `2(n-1)/n` of the buffer, plus one start-up latency (NCCL's
+    /// low-latency protocol makes small all-reduces cost about that, whatever the ring size).
+    /// The group uses NVLink when it fits in one node, else the network.
+    pub fn allreduce_time(&self, bytes: f64, ranks: u64, stride: u64) -> f64 {
+        if ranks <= 1 {
+            return 0.0;
+        }
+        let d = &self.device;
+        let (bw, lat) = if ranks * stride <= self.devices_per_node {
+            (d.intra_node_bandwidth, d.intra_node_latency)
+        } else {
+            (d.inter_node_bandwidth, d.inter_node_latency)
+        };
+        let n = ranks as f64;
+        2.0 * (n - 1.0) / n * bytes / (bw * d.network_efficiency) + lat
+    }
+
+    /// Weight bytes one device holds under `layout`.
+    fn stage_weight_bytes(&self, model: &ModelShape, layout: Layout) -> f64 {
+        (model.params() * self.dtype_bytes) as f64 / (layout.tp * layout.pp) as f64
+    }
+
+    /// Tensor-parallel all-reduces of one stage pass over `tokens` tokens: two per layer
+    /// (after attention and after the MLP), each of the activations `tokens · hidden`.
+    fn tp_comm(&self, model: &ModelShape, layout: Layout, tokens: f64) -> f64 {
+        let per = self.allreduce_time(
+            tokens * (model.hidden * self.dtype_bytes) as f64,
+            layout.tp,
+            1,
+        );
+        2.0 * (model.layers / layout.pp) as f64 * per
+    }
+
+    /// Roofline time of one pass of `tokens` tokens attending to `context` tokens on average
+    /// through one pipeline stage: the larger of compute time and the time to read the stage's
+    /// weights (plus `extra_bytes`, e.g. a KV cache), then the tensor-parallel all-reduces.
+    fn stage_pass(
+        &self,
+        model: &ModelShape,
+        layout: Layout,
+        tokens: f64,
+        context: f64,
+        extra_bytes: f64,
+    ) -> f64 {
+        let flops = tokens * model.forward_flops_per_token(context.round() as u64)
+            / (layout.tp * layout.pp) as f64;
+        let bytes = self.stage_weight_bytes(model, layout) + extra_bytes;
+        let compute = flops / self.device.effective_flops();
+        let memory = bytes / self.device.effective_mem_bandwidth();
+        compute.max(memory) + self.tp_comm(model, layout, tokens)
+    }
+
+    /// Prefill of `batch` prompts of `prompt_len` tokens (compute-bound): every stage in turn,
+    /// since one batch flows through the pipeline once. Attention averages half the prompt.
+    pub fn prefill_time(
+        &self,
+        model: &ModelShape,
+        layout: Layout,
+        batch: u64,
+        prompt_len: u64,
+    ) -> f64 {
+        let tokens = (batch * prompt_len) as f64;
+        layout.pp as f64 * self.stage_pass(model, layout, tokens, prompt_len as f64 / 2.0, 0.0)
+    }
+
+    /// One decode step for `batch` live sequences with `context` tokens each: memory-bound at
+    /// small batch — every step reads all weights and the whole KV cache — and compute-bound
+    /// only at large batch. Summed over pipeline stages, since a token crosses them all.
+    pub fn decode_step_time(
+        &self,
+        model: &ModelShape,
+        layout: Layout,
+        batch: u64,
+        context: u64,
+    ) -> f64 {
+        if batch == 0 {
+            return 0.0;
+        }
+        let kv = (batch * context * model.kv_bytes_per_token(self.dtype_bytes)) as f64
+            / (layout.tp * layout.pp) as f64;
+        layout.pp as f64 * self.stage_pass(model, layout, batch as f64, context as f64, kv)
+    }
+
+    /// Forward (inference, e.g. log-probs or values) of `seqs` sequences of `seq_len` tokens on
+    /// one data-parallel replica: stage passes one after the other for a single micro-batch.
+    pub fn forward_time(&self, model: &ModelShape, layout: Layout, seqs: u64, seq_len: u64) -> f64 {
+        let tokens = (seqs * seq_len) as f64;
+        layout.pp as f64 * self.stage_pass(model, layout, tokens, seq_len as f64 / 2.0, 0.0)
+    }
+
+    /// One training step over `global_seqs` sequences of `seq_len` tokens, split over `dp`
+    /// replicas and `microbatches` micro-batches each, with 1F1B pipelining.
+    pub fn train_step_time(
+        &self,
+        model: &ModelShape,
+        layout: Layout,
+        global_seqs: u64,
+        seq_len: u64,
+        microbatches: u64,
+    ) -> TrainStepTime {
+        let m = microbatches.max(1);
+        let seqs_per_mb = (global_seqs as f64 / (layout.dp * m) as f64).max(1.0);
+        let tokens = seqs_per_mb * seq_len as f64;
+        let forward = self.stage_pass(model, layout, tokens, seq_len as f64 / 2.0, 0.0);
+        // Backward: twice the forward FLOPs (gradients for activations and for weights), the
+        // same all-reduces; weights are re-read once, so compute dominates except at tiny sizes.
+        let fwd_comm = self.tp_comm(model, layout, tokens);
+        let backward = 2.0 * (forward - fwd_comm) + fwd_comm;
+        let stages = layout.pp as f64;
+        let pipeline = (m as f64 + stages - 1.0) * (forward + backward);
+        let bubble_fraction = (stages - 1.0) / (m as f64 + stages - 1.0);
+        let grad_bytes = self.stage_weight_bytes(model, layout);
+        let grad_allreduce = self.allreduce_time(grad_bytes, layout.dp, layout.tp);
+        let params_here = model.params() as f64 / (layout.tp * layout.pp) as f64;
+        // fp32 master, m, v: read and written (24 B); bf16 gradient read and weight written (4 B).
+        let optimizer = params_here * 28.0 / self.device.effective_mem_bandwidth();
+        TrainStepTime {
+            forward,
+            backward,
+            pipeline,
+            bubble_fraction,
+            grad_allreduce,
+            optimizer,
+            total: pipeline + grad_allreduce + optimizer,
+        }
+    }
+
+    /// Memory one device needs for a call described by `use_`.
+    pub fn memory(&self, model: &ModelShape, layout: Layout, use_: &MemoryUse) -> MemoryNeeds {
+        let shard = (layout.tp * layout.pp) as f64;
+        let params = model.params() as f64 / shard;
+        let b = self.dtype_bytes as f64;
+        let weights = params * b;
+        let (gradients, optimizer) = if use_.train {
+            // AdamW with an fp32 master copy: 4 B master + 4 B m + 4 B v per parameter,
+            // optionally sharded over data-parallel ranks (ZeRO-1).
+            let opt_shard = if use_.shard_optimizer {
+                layout.dp as f64
+            } else {
+                1.0
+            };
+            (params * b, params * 12.0 / opt_shard)
+        } else {
+            (0.0, 0.0)
+        };
+        // Activations kept for the backward, per layer and micro-batch, with flash attention
+        // and no recomputation: tokens · hidden · (10 + 24 / tp) bytes (Korthikanti et al.
+        // 2022, eq. 2 without the s²-term that flash attention removes). 1F1B keeps up to `pp`
+        // micro-batches in flight on the first stage.
+        let activations = if use_.train {
+            let tokens = (use_.microbatch_seqs * use_.seq_len) as f64;
+            let per_layer = tokens * model.hidden as f64 * (10.0 + 24.0 / layout.tp as f64);
+            let in_flight = layout.pp.min(use_.microbatches.max(1)) as f64;
+            per_layer * (model.layers / layout.pp) as f64 * in_flight
+        } else {
+            0.0
+        };
+        let kv_cache =
+            (use_.kv_batch * use_.kv_context * model.kv_bytes_per_token(self.dtype_bytes)) as f64
+                / shard;
+        MemoryNeeds {
+            weights: weights.ceil() as u64,
+            gradients: gradients.ceil() as u64,
+            optimizer: optimizer.ceil() as u64,
+            activations: activations.ceil() as u64,
+            kv_cache: kv_cache.ceil() as u64,
+        }
+    }
+}
+
+/// What a call keeps in memory: training state and activations, and/or a KV cache.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct MemoryUse {
+    pub train: bool,
+    pub shard_optimizer: bool,
+    pub microbatch_seqs: u64,
+    pub seq_len: u64,
+    pub microbatches: u64,
+    /// Sequences whose KV cache is resident (generation's batch).
+    pub kv_batch: u64,
+    /// Tokens per sequence the cache holds (prompt + generated).
+    pub kv_context: u64,
+}
+
+/// The terms of a device's memory, in the order [`MemoryNeeds::fits`] adds them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MemoryTerm {
+    Weights,
+    Gradients,
+    OptimizerState,
+    Activations,
+    KvCache,
+}
+
+impl fmt::Display for MemoryTerm {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            MemoryTerm::Weights => "weights",
+            MemoryTerm::Gradients => "gradients",
+            MemoryTerm::OptimizerState => "optimizer state",
+            MemoryTerm::Activations => "activations",
+            MemoryTerm::KvCache => "KV cache",
+        })
+    }
+}
+
+/// Bytes per device, by term.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct MemoryNeeds {
+    pub weights: u64,
+    pub gradients: u64,
+    pub optimizer: u64,
+    pub activations: u64,
+    pub kv_cache: u64,
+}
+
+/// Why a call does not fit: adding `term` took the total past the device's usable memory.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Overflow {
+    pub term: MemoryTerm,
+    /// Total bytes needed with every term.
+    pub needed: u64,
+    pub usable: u64,
+    pub over_by: u64,
+}
+
+impl MemoryNeeds {
+    pub fn terms(&self) -> [(MemoryTerm, u64); 5] {
+        [
+            (MemoryTerm::Weights, self.weights),
+            (MemoryTerm::Gradients, self.gradients),
+            (MemoryTerm::OptimizerState, self.optimizer),
+            (MemoryTerm::Activations, self.activations),
+            (MemoryTerm::KvCache, self.kv_cache),
+        ]
+    }
+
+    pub fn total(&self) -> u64 {
+        self.terms().iter().map(|(_, b)| b).sum()
+    }
+
+    /// Whether the terms fit the device's usable memory; if not, the first term (in the order
+    /// weights, gradients, optimizer, activations, KV cache — from least to most negotiable)
+    /// at which the running sum overflows, and by how many bytes the total does.
+    pub fn fits(&self, device: &DeviceSpec) -> Result<(), Overflow> {
+        let usable = device.usable_memory();
+        let needed = self.total();
+        if needed <= usable {
+            return Ok(());
+        }
+        let mut sum = 0u64;
+        let mut term = MemoryTerm::KvCache;
+        for (t, b) in self.terms() {
+            sum += b;
+            if sum > usable {
+                term = t;
+                break;
+            }
+        }
+        Err(Overflow {
+            term,
+            needed,
+            usable,
+            over_by: needed - usable,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn h100_node() -> CostModel {
+        CostModel::new(DeviceKind::H100.spec(), 8)
+    }
+
+    fn llama7b() -> ModelShape {
+        ModelShape::preset("llama-7b").expect("preset")
+    }
+
+    #[test]
+    fn decode_is_memory_bound_at_small_batch_and_grows_with_batch() {
+        let c = h100_node();
+        let m = llama7b();
+        let one = c.decode_step_time(&m, Layout::SINGLE, 1, 512);
+        // Reading 13.5 GB of weights and 512 tokens of cache at 0.75 × 3.35 TB/s: about 5.5 ms.
+        let bytes = 2.0 * m.params() as f64 + 512.0 * m.kv_bytes_per_token(2) as f64;
+        let expected = bytes / (3.35e12 * 0.75);
+        assert!((one / expected - 1.0).abs() < 1e-9, "{one} vs {expected}");
+        let b64 = c.decode_step_time(&m, Layout::SINGLE, 64, 512);
+        let b512 = c.decode_step_time(&m, Layout::SINGLE, 512, 512);
+        assert!(b64 > one && b512 > b64);
+        // Batching amortises the weight reads: per-sequence cost falls steeply.
+        assert!(b64 / 64.0 < one / 10.0);
+        assert_eq!(c.decode_step_time(&m, Layout::SINGLE, 0, 512), 0.0);
+    }
+
+    #[test]
+    fn tensor_parallelism_cuts_decode_time_but_adds_all_reduces() {
+        let c = h100_node();
+        let m = llama7b();
+        let tp1 = c.decode_step_time(&m, Layout::SINGLE, 8, 1024);
+        let tp4 = c.decode_step_time(
+            &m,
+            Layout {
+                dp: 1,
+                tp: 4,
+                pp: 1,
+            },
+            8,
+            1024,
+        );
+        assert!(tp4 < tp1 / 2.0 && tp4 > tp1 / 4.0, "{tp1} {tp4}");
+        let weights_read = tp1 / 4.0;
+        // 64 all-reduces of a few kilobytes: about their latency each.
+        assert!(tp4 - weights_read > 64.0 * 10e-6, "{tp4}");
+    }
+
+    #[test]
+    fn prefill_is_compute_bound() {
+        let c = h100_node();
+        let m = llama7b();
+        let t = c.prefill_time(&m, Layout::SINGLE, 32, 1024);
+        let flops = 32.0 * 1024.0 * m.forward_flops_per_token(512);
+        let compute = flops / (989e12 * 0.5);
+        assert!((t / compute - 1.0).abs() < 1e-9, "{t} {compute}");
+    }
+
+    #[test]
+    fn training_step_has_backward_twice_forward_and_the_1f1b_bubble() {
+        let c = h100_node();
+        let m = llama7b();
+        let layout = Layout {
+            dp: 2,
+            tp: 1,
+            pp: 4,
+        };
+        let t = c.train_step_time(&m, layout, 64, 1024, 8);
+        assert!((t.backward / t.forward - 2.0).abs() < 1e-9);
+        assert!((t.pipeline - 11.0 * (t.forward + t.backward)).abs() < 1e-9);
+        assert!((t.bubble_fraction - 3.0 / 11.0).abs() < 1e-12);
+        assert!(t.grad_allreduce > 0.0 && t.optimizer > 0.0);
+        assert!((t.total - (t.pipeline + t.grad_allreduce + t.optimizer)).abs() < 1e-9);
+        let more_mb = c.train_step_time(&m, layout, 64, 1024, 32);
+        assert!(more_mb.bubble_fraction < t.bubble_fraction);
+    }
+
+    #[test]
+    fn collectives_leave_the_node_when_the_group_does() {
+        let c = h100_node();
+        let gb = 1e9;
+        let inside = c.allreduce_time(gb, 8, 1);
+        let across = c.allreduce_time(gb, 16, 1);
+        assert!(across > 5.0 * inside);
+        assert_eq!(c.allreduce_time(gb, 1, 1), 0.0);
+        // 2·7/8 GB over 450 GB/s × 0.8, plus one start-up latency.
+        assert!((inside - (1.75 / 360.0 + 10e-6)).abs() < 1e-9);
+    }
+
+    #[test]
+    fn training_7b_on_one_h100_overflows_in_the_optimizer_state() {
+        let c = h100_node();
+        let m = llama7b();
+        let use_ = MemoryUse {
+            train: true,
+            microbatch_seqs: 1,
+            seq_len: 2048,
+            microbatches: 1,
+            ..MemoryUse::default()
+        };
+        let need = c.memory(&m, Layout::SINGLE, &use_);
+        // 2 + 2 + 12 bytes per parameter: 16 × 6.74 G = 107.8 GB.
+        assert_eq!(need.weights, 2 * m.params());
+        assert_eq!(need.optimizer, 12 * m.params());
+        let o = need.fits(&c.device).expect_err("too big");
+        assert_eq!(o.term, MemoryTerm::OptimizerState);
+        assert_eq!(o.over_by, need.total() - c.device.usable_memory());
+        // Sharded 8 ways it fits.
+        let sharded = c.memory(
+            &m,
+            Layout {
+                dp: 1,
+                tp: 8,
+                pp: 1,
+            },
+            &use_,
+        );
+        assert!(sharded.fits(&c.device).is_ok());
+    }
+
+    #[test]
+    fn kv_cache_is_the_term_that_overflows_generation() {
+        let c = h100_node();
+        let m = llama7b();
+        let use_ = MemoryUse {
+            kv_batch: 512,
+            kv_context: 4096,
+            ..MemoryUse::default()
+        };
+        let need = c.memory(&m, Layout::SINGLE, &use_);
+        // 0.5 MiB per token for LLaMA-7B in bf16.
+        assert_eq!(m.kv_bytes_per_token(2), 524_288);
+        let o = need.fits(&c.device).expect_err("too big");
+        assert_eq!(o.term, MemoryTerm::KvCache);
+        assert!(o.over_by > 0);
+    }
+
+    #[test]
+    fn layouts_are_checked_against_the_model() {
+        let m = llama7b();
+        assert!(
+            Layout {
+                dp: 1,
+                tp: 8,
+                pp: 4
+            }
+            .check(&m)
+            .is_ok()
+        );
+        assert!(
+            Layout {
+                dp: 1,
+                tp: 3,
+                pp: 1
+            }
+            .check(&m)
+            .is_err()
+        );
+        assert!(
+            Layout {
+                dp: 1,
+                tp: 1,
+                pp: 5
+            }
+            .check(&m)
+            .is_err()
+        );
+        assert!(
+            Layout {
+                dp: 0,
+                tp: 1,
+                pp: 1
+            }
+            .check(&m)
+            .is_err()
+        );
+    }
+}
