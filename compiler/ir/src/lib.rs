@@ -1,1 +1,3 @@
 //! braid-ir: see ARCHITECTURE.md.
+
+pub mod kernel;
