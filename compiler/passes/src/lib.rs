@@ -9,3 +9,4 @@ pub mod cluster;
 pub mod cost;
 pub mod fused_pipeline;
 pub mod prng;
+pub mod sim;

@@ -1,0 +1,284 @@
+//! The simulator's input: a DAG of tasks, each with its work and the devices it occupies, built
+//! with [`DagBuilder`].
+//!
+//! The lowering of `.rlhf` programs will produce these DAGs; until then tests and studies build
+//! them by hand. The builder checks the DAG once, in [`DagBuilder::build`], so the engine can
+//! trust it. This module only describes work; it must not simulate (that is `engine.rs`).
+
+use std::fmt;
+
+use serde::Serialize;
+
+use crate::cost::{CostModel, Layout, ModelShape};
+use crate::sim::lengths::LengthDist;
+
+/// A task's index in its DAG.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+pub struct TaskId(pub usize);
+
+/// Long-tail migration: when no more than `threshold` samples are still decoding, the
+/// remaining ones move (with their KV caches) onto the first `to_instances` instances, and the
+/// devices of the others are released for other tasks (RLHFuse §4).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Migration {
+    pub threshold: u64,
+    pub to_instances: u64,
+}
+
+/// A generation stage: `samples` prompts of `prompt_len` tokens, split evenly over
+/// `instances` engine instances (each on an equal share of the task's devices, tensor-parallel
+/// inside), decoded in lock-step batches. A decode step's time comes from the cost model as a
+/// function of the live batch, so the long tail runs at small batch.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct GenerateSpec {
+    pub samples: u64,
+    pub prompt_len: u64,
+    pub instances: u64,
+    pub lengths: LengthDist,
+    pub model: ModelShape,
+    pub cost: CostModel,
+    pub migration: Option<Migration>,
+}
+
+/// What a task does.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Work {
+    /// A fixed duration (e.g. a training step from [`CostModel::train_step_time`]).
+    Fixed {
+        seconds: f64,
+    },
+    Generate(Box<GenerateSpec>),
+    /// Per-sample work (log-probs, values, scores) done in chunks of up to `chunk` samples, each
+    /// chunk taking `chunk_fixed + per_sample · n` seconds. When it streams from a generation
+    /// task it starts on the samples already emitted and follows the rest as they come.
+    PerSample {
+        samples: u64,
+        chunk: u64,
+        chunk_fixed: f64,
+        per_sample: f64,
+    },
+}
+
+impl Work {
+    /// Per-sample work from the cost model: a forward pass over the whole sequence of each
+    /// sample on `devices` data-parallel replicas with the given layout inside each; the chunk's
+    /// fixed cost is reading the weights once (what a tiny chunk pays for).
+    pub fn inference(
+        cost: &CostModel,
+        model: &ModelShape,
+        layout: Layout,
+        replicas: u64,
+        samples: u64,
+        seq_len: u64,
+        chunk: u64,
+    ) -> Work {
+        let replicas = replicas.max(1) as f64;
+        let one = cost.forward_time(model, layout, 1, seq_len);
+        let many = cost.forward_time(model, layout, chunk.max(1), seq_len);
+        // A linear fit through chunk sizes 1 and `chunk`: small chunks are dominated by the
+        // weight reads, large ones by compute.
+        let per_sample = if chunk > 1 {
+            ((many - one) / (chunk - 1) as f64).max(0.0)
+        } else {
+            one
+        };
+        let chunk_fixed = (one - per_sample).max(0.0);
+        Work::PerSample {
+            samples,
+            chunk: chunk.max(1),
+            chunk_fixed: chunk_fixed / replicas,
+            per_sample: per_sample / replicas,
+        }
+    }
+}
+
+/// One task of the DAG.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct TaskSpec {
+    pub name: String,
+    /// The stage this task belongs to in reports (`generate`, `inference`, `train`, …).
+    pub stage: String,
+    pub devices: Vec<usize>,
+    pub work: Work,
+    /// Tasks that must finish before this one starts.
+    pub deps: Vec<TaskId>,
+    /// A generation task whose samples this per-sample task consumes as they are emitted.
+    pub stream_from: Option<TaskId>,
+}
+
+/// A checked DAG over `devices` devices, tasks in creation order (a topological order).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Dag {
+    pub devices: usize,
+    pub tasks: Vec<TaskSpec>,
+}
+
+/// Why a DAG is malformed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DagError(pub String);
+
+impl fmt::Display for DagError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for DagError {}
+
+/// Builds a [`Dag`]. A task may only depend on tasks created before it, so every DAG built
+/// this way is acyclic by construction.
+#[derive(Debug)]
+pub struct DagBuilder {
+    dag: Dag,
+    errors: Vec<String>,
+}
+
+impl DagBuilder {
+    pub fn new(devices: usize) -> DagBuilder {
+        DagBuilder {
+            dag: Dag {
+                devices,
+                tasks: Vec::new(),
+            },
+            errors: Vec::new(),
+        }
+    }
+
+    /// Adds a task; returns its id.
+    pub fn task(
+        &mut self,
+        name: &str,
+        stage: &str,
+        devices: impl IntoIterator<Item = usize>,
+        work: Work,
+    ) -> TaskId {
+        self.dag.tasks.push(TaskSpec {
+            name: name.to_string(),
+            stage: stage.to_string(),
+            devices: devices.into_iter().collect(),
+            work,
+            deps: Vec::new(),
+            stream_from: None,
+        });
+        TaskId(self.dag.tasks.len() - 1)
+    }
+
+    /// `task` starts only after `dep` has finished.
+    pub fn after(&mut self, task: TaskId, dep: TaskId) -> &mut DagBuilder {
+        if dep.0 >= task.0 || task.0 >= self.dag.tasks.len() {
+            self.errors.push(format!(
+                "task {} cannot depend on task {}: dependencies must be created first",
+                task.0, dep.0
+            ));
+        } else if !self.dag.tasks[task.0].deps.contains(&dep) {
+            self.dag.tasks[task.0].deps.push(dep);
+        }
+        self
+    }
+
+    /// `consumer` (per-sample work) processes `producer`'s (a generation's) samples as they
+    /// are emitted, rather than after it finishes.
+    pub fn stream(&mut self, consumer: TaskId, producer: TaskId) -> &mut DagBuilder {
+        if producer.0 >= consumer.0 || consumer.0 >= self.dag.tasks.len() {
+            self.errors.push(format!(
+                "task {} cannot stream from task {}: producers must be created first",
+                consumer.0, producer.0
+            ));
+        } else {
+            self.dag.tasks[consumer.0].stream_from = Some(producer);
+        }
+        self
+    }
+
+    /// Checks the DAG: devices in range and not repeated, positive finite work, streaming
+    /// only from a generation into per-sample work of the same number of samples, instances
+    /// that split the generation's devices evenly.
+    pub fn build(self) -> Result<Dag, DagError> {
+        if let Some(e) = self.errors.first() {
+            return Err(DagError(e.clone()));
+        }
+        let dag = self.dag;
+        if dag.devices == 0 {
+            return Err(DagError("a DAG needs at least one device".into()));
+        }
+        for (i, t) in dag.tasks.iter().enumerate() {
+            let err = |what: String| Err(DagError(format!("task {i} `{}`: {what}", t.name)));
+            if t.devices.is_empty() {
+                return err("occupies no device".into());
+            }
+            let mut sorted = t.devices.clone();
+            sorted.sort_unstable();
+            sorted.dedup();
+            if sorted.len() != t.devices.len() {
+                return err("lists a device twice".into());
+            }
+            if let Some(&d) = sorted.last()
+                && d >= dag.devices
+            {
+                return err(format!(
+                    "device {d} is out of range (the DAG has {})",
+                    dag.devices
+                ));
+            }
+            match &t.work {
+                Work::Fixed { seconds } => {
+                    if !(seconds.is_finite() && *seconds >= 0.0) {
+                        return err("duration must be finite and non-negative".into());
+                    }
+                }
+                Work::Generate(g) => {
+                    if g.samples == 0 || g.instances == 0 {
+                        return err("generation needs samples and instances".into());
+                    }
+                    if !(t.devices.len() as u64).is_multiple_of(g.instances) {
+                        return err(format!(
+                            "{} devices do not split into {} instances",
+                            t.devices.len(),
+                            g.instances
+                        ));
+                    }
+                    if let Some(m) = &g.migration
+                        && (m.to_instances == 0 || m.to_instances > g.instances)
+                    {
+                        return err("migration must keep between 1 and all instances".into());
+                    }
+                }
+                Work::PerSample {
+                    samples,
+                    chunk,
+                    chunk_fixed,
+                    per_sample,
+                } => {
+                    if *samples == 0 || *chunk == 0 {
+                        return err("per-sample work needs samples and a chunk size".into());
+                    }
+                    if !(chunk_fixed.is_finite()
+                        && per_sample.is_finite()
+                        && *chunk_fixed >= 0.0
+                        && *per_sample >= 0.0)
+                    {
+                        return err("per-sample costs must be finite and non-negative".into());
+                    }
+                }
+            }
+            if let Some(p) = t.stream_from {
+                let producer = &dag.tasks[p.0];
+                let (Work::Generate(g), Work::PerSample { samples, .. }) =
+                    (&producer.work, &t.work)
+                else {
+                    return err(
+                        "only per-sample work can stream, and only from a generation".into(),
+                    );
+                };
+                if g.samples != *samples {
+                    return err(format!(
+                        "streams {} samples from `{}`, which emits {}",
+                        samples, producer.name, g.samples
+                    ));
+                }
+            }
+        }
+        Ok(dag)
+    }
+}

@@ -1,0 +1,451 @@
+//! The cluster simulator: a discrete-event engine that runs a DAG of tasks on devices over
+//! several iterations, with generation lengths drawn from a distribution, long-tail
+//! migration and sample-level streaming (RLHFuse's inter-stage fusion), and reports iteration
+//! time, per-stage times, per-device utilisation and the bubble fraction, with the timeline as
+//! Chrome-trace JSON or SVG.
+//!
+//! `braid sim` shows what a plan does at cluster scale before any GPU is involved. This module
+//! and its children compute values only: they must not read or write files or print.
+
+pub mod dag;
+pub mod engine;
+pub mod lengths;
+pub mod trace;
+
+pub use dag::{Dag, DagBuilder, DagError, GenerateSpec, Migration, TaskId, TaskSpec, Work};
+pub use engine::{
+    GenerationReport, IterationReport, SimError, SimOptions, SimReport, Span, StageSummary,
+    StageTime, pick_migration_threshold, simulate,
+};
+pub use lengths::{LengthDist, LengthError};
+pub use trace::{to_chrome_trace, to_svg};
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cost::{CostModel, DeviceKind, Layout, ModelShape};
+
+    /// Checks a timeline: spans well-formed, and no device doing two things at once.
+    fn check_timeline(report: &SimReport, devices: usize) {
+        let mut per: Vec<Vec<&Span>> = vec![Vec::new(); devices];
+        for s in &report.timeline {
+            assert!(s.end >= s.start && s.start >= 0.0, "{s:?}");
+            per[s.device].push(s);
+        }
+        for spans in &mut per {
+            spans.sort_by(|a, b| a.start.total_cmp(&b.start));
+            for w in spans.windows(2) {
+                assert!(
+                    w[1].start >= w[0].end - 1e-9,
+                    "overlap on device {}: {:?} and {:?}",
+                    w[0].device,
+                    w[0],
+                    w[1]
+                );
+            }
+        }
+        for u in &report.device_utilisation {
+            assert!((0.0..=1.0 + 1e-9).contains(u), "{u}");
+        }
+    }
+
+    struct Ppo {
+        fused: bool,
+        threshold: u64,
+        lengths: LengthDist,
+    }
+
+    const SAMPLES: u64 = 256;
+    const PROMPT: u64 = 128;
+
+    /// A PPO iteration on one 8×H100 node with LLaMA-7B-shaped actor, critic, reference and
+    /// reward models: generate → (reference log-probs, values, score) → train actor → train
+    /// critic. Sequential: each stage waits for the previous one. Fused: the inference tasks
+    /// stream samples from the generation and run on devices its migrated tail frees.
+    fn ppo(p: &Ppo) -> (Dag, TaskId) {
+        let cost = CostModel::new(DeviceKind::H100.spec(), 8);
+        let model = ModelShape::preset("llama-7b").expect("preset");
+        let seq = PROMPT + 256;
+        let mut b = DagBuilder::new(8);
+        let generate = b.task(
+            "generate",
+            "generate",
+            0..8,
+            Work::Generate(Box::new(GenerateSpec {
+                samples: SAMPLES,
+                prompt_len: PROMPT,
+                instances: 8,
+                lengths: p.lengths.clone(),
+                model: model.clone(),
+                cost: cost.clone(),
+                migration: p.fused.then_some(Migration {
+                    threshold: p.threshold,
+                    to_instances: 1,
+                }),
+            })),
+        );
+        // Fused: device 0 keeps the tail, so inference uses 1..8; sequential: all 8.
+        let groups: [Vec<usize>; 3] = if p.fused {
+            [vec![1, 2], vec![3, 4, 5], vec![6, 7]]
+        } else {
+            [vec![0, 1, 2], vec![3, 4, 5], vec![6, 7]]
+        };
+        let mut inference = Vec::new();
+        for (name, devs) in ["ref_logprobs", "values", "score"].iter().zip(groups) {
+            let work = Work::inference(
+                &cost,
+                &model,
+                Layout::SINGLE,
+                devs.len() as u64,
+                SAMPLES,
+                seq,
+                16,
+            );
+            let t = b.task(name, "inference", devs, work);
+            if p.fused {
+                b.stream(t, generate);
+            } else {
+                b.after(t, generate);
+            }
+            inference.push(t);
+        }
+        let layout = Layout {
+            dp: 8,
+            tp: 1,
+            pp: 1,
+        };
+        let train = cost.train_step_time(&model, layout, SAMPLES, seq, 4).total;
+        let actor = b.task("train_actor", "train", 0..8, Work::Fixed { seconds: train });
+        let critic = b.task(
+            "train_critic",
+            "train",
+            0..8,
+            Work::Fixed { seconds: train },
+        );
+        for &t in &inference {
+            b.after(actor, t);
+        }
+        b.after(critic, actor);
+        (b.build().expect("valid DAG"), generate)
+    }
+
+    fn long_tail() -> LengthDist {
+        LengthDist::parse("lognormal:4.5,1.0,2048").expect("parses")
+    }
+
+    #[test]
+    fn fusion_beats_sequential_stages_on_a_long_tailed_distribution() {
+        let opts = SimOptions {
+            iterations: 3,
+            seed: 7,
+        };
+        let (seq_dag, _) = ppo(&Ppo {
+            fused: false,
+            threshold: 0,
+            lengths: long_tail(),
+        });
+        let (fused_dag, _) = ppo(&Ppo {
+            fused: true,
+            threshold: 16,
+            lengths: long_tail(),
+        });
+        let seq = simulate(&seq_dag, &opts).expect("runs");
+        let fused = simulate(&fused_dag, &opts).expect("runs");
+        check_timeline(&seq, 8);
+        check_timeline(&fused, 8);
+        // Fusion hides most of the inference stage behind the generation's tail (training is
+        // the same in both); consolidating the tail slows it a little, so demand more than
+        // half of the inference time back.
+        let seq_inference = seq
+            .stages
+            .iter()
+            .find(|s| s.stage == "inference")
+            .expect("stage")
+            .mean_time;
+        assert!(
+            fused.mean_iteration_time < seq.mean_iteration_time - 0.5 * seq_inference,
+            "fused {} vs sequential {} (inference {seq_inference})",
+            fused.mean_iteration_time,
+            seq.mean_iteration_time
+        );
+        // The tail was consolidated, and inference started before generation ended.
+        for it in &fused.iterations {
+            let g = &it.generations[0];
+            let migrated_at = g.migrated_at.expect("migrated");
+            assert!(migrated_at < g.end && g.samples_migrated <= 16);
+            let inference = it
+                .stages
+                .iter()
+                .find(|s| s.stage == "inference")
+                .expect("stage");
+            assert!(inference.start < g.end, "{inference:?} vs {g:?}");
+        }
+        // Sequential inference starts only when generation is over.
+        for it in &seq.iterations {
+            let g = &it.generations[0];
+            assert!(g.migrated_at.is_none());
+            let inference = it
+                .stages
+                .iter()
+                .find(|s| s.stage == "inference")
+                .expect("stage");
+            assert!(inference.start >= g.end);
+        }
+    }
+
+    #[test]
+    fn the_long_tail_decodes_at_small_batch() {
+        let (dag, _) = ppo(&Ppo {
+            fused: false,
+            threshold: 0,
+            lengths: long_tail(),
+        });
+        let r = simulate(
+            &dag,
+            &SimOptions {
+                iterations: 1,
+                seed: 3,
+            },
+        )
+        .expect("runs");
+        let g = &r.iterations[0].generations[0];
+        // Lognormal(4.5, 1): the mean is about 150 tokens, the longest far beyond.
+        assert!(g.max_len as f64 > 4.0 * g.mean_len, "{g:?}");
+        // Some devices sit idle while the longest sample's instance decodes.
+        let spans: Vec<&Span> = r.timeline.iter().filter(|s| s.task == "generate").collect();
+        let first_done = spans.iter().map(|s| s.end).fold(f64::INFINITY, f64::min);
+        assert!(first_done < 0.9 * g.end);
+    }
+
+    #[test]
+    fn simulation_is_deterministic_for_a_seed() {
+        let (dag, _) = ppo(&Ppo {
+            fused: true,
+            threshold: 16,
+            lengths: long_tail(),
+        });
+        let opts = SimOptions {
+            iterations: 2,
+            seed: 11,
+        };
+        let a = simulate(&dag, &opts).expect("runs");
+        let b = simulate(&dag, &opts).expect("runs");
+        assert_eq!(
+            serde_json::to_string(&a).expect("json"),
+            serde_json::to_string(&b).expect("json")
+        );
+        assert_eq!(to_chrome_trace(&a, 8), to_chrome_trace(&b, 8));
+        assert_eq!(to_svg(&a, 8), to_svg(&b, 8));
+        let c = simulate(
+            &dag,
+            &SimOptions {
+                iterations: 2,
+                seed: 12,
+            },
+        )
+        .expect("runs");
+        assert_ne!(a.mean_iteration_time, c.mean_iteration_time);
+    }
+
+    #[test]
+    fn picks_a_migration_threshold_by_simulation() {
+        let (dag, generate) = ppo(&Ppo {
+            fused: true,
+            threshold: 0,
+            lengths: long_tail(),
+        });
+        let opts = SimOptions {
+            iterations: 2,
+            seed: 5,
+        };
+        let candidates = [1, 8, 32, 128];
+        let (best, all) =
+            pick_migration_threshold(&dag, generate, &candidates, &opts).expect("runs");
+        assert_eq!(all.len(), candidates.len());
+        let best_time = all.iter().find(|c| c.0 == best).expect("listed").1;
+        assert!(all.iter().all(|c| c.1 >= best_time));
+        // Migrating only the very last sample frees the inference devices too late to matter
+        // as much as migrating a real tail.
+        let last_only = all[0].1;
+        assert!(best_time < last_only, "{all:?}");
+        let (fixed_dag, _) = ppo(&Ppo {
+            fused: false,
+            threshold: 0,
+            lengths: long_tail(),
+        });
+        assert!(pick_migration_threshold(&fixed_dag, TaskId(1), &candidates, &opts).is_err());
+    }
+
+    #[test]
+    fn fixed_tasks_serialise_on_shared_devices_and_overlap_on_disjoint_ones() {
+        let mut b = DagBuilder::new(3);
+        let a = b.task("a", "s1", [0, 1], Work::Fixed { seconds: 2.0 });
+        let c = b.task("c", "s1", [1], Work::Fixed { seconds: 1.0 });
+        let d = b.task("d", "s2", [2], Work::Fixed { seconds: 1.5 });
+        let e = b.task("e", "s2", [0, 2], Work::Fixed { seconds: 1.0 });
+        b.after(e, d);
+        let _ = (a, c);
+        let dag = b.build().expect("valid");
+        let r = simulate(
+            &dag,
+            &SimOptions {
+                iterations: 2,
+                seed: 0,
+            },
+        )
+        .expect("runs");
+        check_timeline(&r, 3);
+        // a [0,2) on 0,1; c waits for device 1 [2,3); d [0,1.5) on 2; e waits for a [2,3).
+        assert_eq!(r.iterations[0].time, 3.0);
+        assert_eq!(r.iterations[1].start, 3.0);
+        assert_eq!(r.total_time, 6.0);
+        let util = &r.device_utilisation;
+        assert!((util[0] - 3.0 / 3.0).abs() < 1e-12);
+        assert!((util[1] - 3.0 / 3.0).abs() < 1e-12);
+        assert!((util[2] - 2.5 / 3.0).abs() < 1e-12);
+        assert!((r.bubble_fraction - (1.0 - (2.0 + 2.5 / 3.0) / 3.0)).abs() < 1e-12);
+        assert_eq!(r.stages[0].stage, "s1");
+        assert_eq!(r.stages[0].mean_time, 3.0);
+    }
+
+    #[test]
+    fn streaming_consumers_never_run_ahead_of_the_producer() {
+        let (dag, _) = ppo(&Ppo {
+            fused: true,
+            threshold: 16,
+            lengths: LengthDist::parse("uniform:16..400").expect("parses"),
+        });
+        let r = simulate(
+            &dag,
+            &SimOptions {
+                iterations: 1,
+                seed: 2,
+            },
+        )
+        .expect("runs");
+        check_timeline(&r, 8);
+        let g = &r.iterations[0].generations[0];
+        // Every consumer's last chunk ends after the last sample was emitted.
+        for name in ["ref_logprobs", "values", "score"] {
+            let last = r
+                .timeline
+                .iter()
+                .filter(|s| s.task == name)
+                .map(|s| s.end)
+                .fold(0.0, f64::max);
+            assert!(last >= g.end, "{name}: {last} < {}", g.end);
+        }
+    }
+
+    #[test]
+    fn traces_are_well_formed() {
+        let (dag, _) = ppo(&Ppo {
+            fused: true,
+            threshold: 16,
+            lengths: long_tail(),
+        });
+        let r = simulate(
+            &dag,
+            &SimOptions {
+                iterations: 1,
+                seed: 1,
+            },
+        )
+        .expect("runs");
+        let json: serde_json::Value = serde_json::from_str(&to_chrome_trace(&r, 8)).expect("json");
+        let events = json["traceEvents"].as_array().expect("events");
+        assert_eq!(events.len(), r.timeline.len() + 8);
+        assert!(
+            events
+                .iter()
+                .any(|e| e["ph"] == "X" && e["cat"] == "inference")
+        );
+        let svg = to_svg(&r, 8);
+        assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
+        assert!(svg.contains(">device 7</text>") && svg.contains(">train</text>"));
+    }
+
+    #[test]
+    fn malformed_dags_are_rejected() {
+        let gen_work = || {
+            Work::Generate(Box::new(GenerateSpec {
+                samples: 4,
+                prompt_len: 8,
+                instances: 2,
+                lengths: LengthDist::Fixed { len: 4 },
+                model: ModelShape::preset("llama-7b").expect("preset"),
+                cost: CostModel::new(DeviceKind::A100.spec(), 8),
+                migration: None,
+            }))
+        };
+        let per_sample = |samples| Work::PerSample {
+            samples,
+            chunk: 2,
+            chunk_fixed: 0.0,
+            per_sample: 1.0,
+        };
+        type Make = Box<dyn Fn(&mut DagBuilder)>;
+        let cases: Vec<(Make, &str)> = vec![
+            (
+                Box::new(|b| {
+                    b.task("x", "s", [5], Work::Fixed { seconds: 1.0 });
+                }),
+                "out of range",
+            ),
+            (
+                Box::new(|b| {
+                    b.task("x", "s", Vec::new(), Work::Fixed { seconds: 1.0 });
+                }),
+                "occupies no device",
+            ),
+            (
+                Box::new(|b| {
+                    b.task("x", "s", [0, 0], Work::Fixed { seconds: 1.0 });
+                }),
+                "twice",
+            ),
+            (
+                Box::new(|b| {
+                    b.task("x", "s", [0], Work::Fixed { seconds: f64::NAN });
+                }),
+                "finite",
+            ),
+            (
+                Box::new(|b| {
+                    let x = b.task("x", "s", [0], Work::Fixed { seconds: 1.0 });
+                    let y = b.task("y", "s", [1], Work::Fixed { seconds: 1.0 });
+                    b.after(x, y);
+                }),
+                "created first",
+            ),
+            (
+                Box::new(move |b| {
+                    let x = b.task("x", "s", [0], Work::Fixed { seconds: 1.0 });
+                    let y = b.task("y", "s", [1], per_sample(4));
+                    b.stream(y, x);
+                }),
+                "only from a generation",
+            ),
+            (
+                Box::new(move |b| {
+                    let g = b.task("g", "s", [0, 1], gen_work());
+                    let y = b.task("y", "s", [2], per_sample(5));
+                    b.stream(y, g);
+                }),
+                "emits 4",
+            ),
+            (
+                Box::new(move |b| {
+                    b.task("g", "s", [0, 1, 2], gen_work());
+                }),
+                "do not split into 2 instances",
+            ),
+        ];
+        for (make, needle) in cases {
+            let mut b = DagBuilder::new(4);
+            make(&mut b);
+            let e = b.build().expect_err(needle);
+            assert!(e.0.contains(needle), "{needle}: {e}");
+        }
+    }
+}
