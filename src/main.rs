@@ -4,6 +4,9 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+#[cfg(feature = "runtime")]
+mod generate;
+
 #[derive(Parser)]
 #[command(name = "braid", version, about = "A compiler and runtime for RLHF pipelines")]
 struct Cli {
@@ -12,9 +15,16 @@ struct Cli {
 }
 
 #[derive(Subcommand)]
-enum Command {}
+enum Command {
+    /// Sample completions from a model directory or a tiny model.
+    #[cfg(feature = "runtime")]
+    Generate(generate::Args),
+}
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    match cli.command {}
+    match cli.command {
+        #[cfg(feature = "runtime")]
+        Command::Generate(args) => generate::run(args),
+    }
 }

@@ -1,0 +1,211 @@
+//! `braid generate`: sample completions from a Hugging Face model directory or a `tiny` model,
+//! for one prompt or a JSONL file of prompts. It only parses arguments, reads the prompt file,
+//! calls the runtime's engine and prints; it must not contain model or sampling logic.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use braid_runtime::{
+    ChatMessage, EngineOptions, Error, Head, LoadOptions, Model, SamplingParams, TinyConfig,
+    Tokenizer, device, generate_stream, tiny,
+};
+
+/// Output format of `braid generate`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Format {
+    /// The completions as text.
+    Text,
+    /// One JSON object per sample per line.
+    Json,
+}
+
+/// Arguments of `braid generate`.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// A Hugging Face model directory, or `tiny` for a random tiny model with a byte tokenizer.
+    #[arg(long)]
+    model: String,
+    /// The prompt.
+    #[arg(long, conflicts_with = "prompts", required_unless_present = "prompts")]
+    prompt: Option<String>,
+    /// A JSONL file with one `{"prompt": "..."}` object (or JSON string) per line.
+    #[arg(long)]
+    prompts: Option<PathBuf>,
+    /// Most tokens to generate per sample.
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..))]
+    max_new_tokens: u32,
+    /// Take the most likely token at each step.
+    #[arg(long, conflicts_with_all = ["temperature", "top_p", "top_k"])]
+    greedy: bool,
+    /// Sampling temperature.
+    #[arg(long, default_value_t = 1.0)]
+    temperature: f32,
+    /// Nucleus sampling: keep the most likely tokens up to this probability mass.
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    /// Keep only the K most likely tokens (0: all).
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    /// Random seed; the same seed gives the same text.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Samples per prompt.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    n: u32,
+    /// Stop a sample when its text contains this string (repeatable).
+    #[arg(long)]
+    stop: Vec<String>,
+    /// Render each prompt as a user message with the model's chat template.
+    #[arg(long)]
+    chat: bool,
+    /// Keep generating past end-of-sequence tokens (for benchmarks).
+    #[arg(long)]
+    ignore_eos: bool,
+    /// Most samples decoded together.
+    #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..))]
+    max_batch: u32,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = Format::Text)]
+    format: Format,
+    /// CPU threads for libtorch.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    threads: Option<u32>,
+}
+
+/// Runs `braid generate`.
+pub fn run(args: Args) -> ExitCode {
+    // Inconsistent sampling options are usage errors (exit 2), like clap's own.
+    if let Err(e) = sampling_params(&args).validate() {
+        eprintln!("error: {e}");
+        return ExitCode::from(2);
+    }
+    match run_inner(&args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+fn read_prompts(path: &Path) -> Result<Vec<String>, Error> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| Error::file(path, format!("cannot read: {e}")))?;
+    let mut prompts = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let v: serde_json::Value = serde_json::from_str(line)
+            .map_err(|e| Error::file(path, format!("line {}: invalid JSON: {e}", i + 1)))?;
+        let prompt = match &v {
+            serde_json::Value::String(s) => s.clone(),
+            _ => match v.get("prompt").and_then(serde_json::Value::as_str) {
+                Some(s) => s.to_owned(),
+                None => {
+                    return Err(Error::file(
+                        path,
+                        format!(
+                            "line {}: expected a string or an object with a string field `prompt`",
+                            i + 1
+                        ),
+                    ));
+                }
+            },
+        };
+        prompts.push(prompt);
+    }
+    if prompts.is_empty() {
+        return Err(Error::file(path, "no prompts (the file is empty)"));
+    }
+    Ok(prompts)
+}
+
+fn load(name: &str) -> Result<(Model, Tokenizer), Error> {
+    let device = device::default_device();
+    if name == "tiny" {
+        return tiny(&TinyConfig::default(), Head::Lm, device);
+    }
+    let dir = Path::new(name);
+    let model = Model::load(
+        dir,
+        &LoadOptions {
+            head: Head::Lm,
+            dtype: None,
+            device,
+        },
+    )?;
+    let tokenizer = Tokenizer::from_dir(dir, model.config())?;
+    Ok((model, tokenizer))
+}
+
+fn sampling_params(args: &Args) -> SamplingParams {
+    SamplingParams {
+        max_new_tokens: args.max_new_tokens as usize,
+        greedy: args.greedy,
+        temperature: args.temperature,
+        top_k: args.top_k,
+        top_p: args.top_p,
+        seed: args.seed,
+        n: args.n as usize,
+        stop: args.stop.clone(),
+        stop_at_eos: !args.ignore_eos,
+    }
+}
+
+fn run_inner(args: &Args) -> Result<(), Error> {
+    if let Some(t) = args.threads {
+        device::set_cpu_threads(t as usize);
+    }
+    let texts = match (&args.prompt, &args.prompts) {
+        (Some(p), _) => vec![p.clone()],
+        (None, Some(path)) => read_prompts(path)?,
+        (None, None) => return Err(Error::invalid("--prompt", "give --prompt or --prompts")),
+    };
+    let params = sampling_params(args);
+    let (model, tokenizer) = load(&args.model)?;
+    let mut ids = Vec::with_capacity(texts.len());
+    for text in &texts {
+        ids.push(if args.chat {
+            let msg = ChatMessage {
+                role: "user".into(),
+                content: text.clone(),
+            };
+            tokenizer.encode(&tokenizer.apply_chat_template(&[msg], true)?, false)?
+        } else {
+            tokenizer.encode(text, true)?
+        });
+    }
+    let options = EngineOptions {
+        max_batch: args.max_batch as usize,
+    };
+    let many = texts.len() * args.n as usize > 1;
+    let stdout = std::io::stdout();
+    let mut out = stdout.lock();
+    for sample in generate_stream(&model, &tokenizer, ids, params, options)? {
+        let s = sample?;
+        let line = match args.format {
+            Format::Json => serde_json::json!({
+                "prompt_index": s.prompt_index,
+                "sample_index": s.sample_index,
+                "prompt": texts[s.prompt_index],
+                "completion": s.text,
+                "token_ids": s.token_ids,
+                "logprobs": s.logprobs,
+                "finish_reason": s.finish,
+            })
+            .to_string(),
+            Format::Text if many => format!(
+                "--- prompt {}, sample {} ---\n{}{}",
+                s.prompt_index, s.sample_index, texts[s.prompt_index], s.text
+            ),
+            Format::Text => format!("{}{}", texts[s.prompt_index], s.text),
+        };
+        // A closed pipe (`braid generate ... | head`) ends the run quietly.
+        if writeln!(out, "{line}").is_err() {
+            return Ok(());
+        }
+    }
+    Ok(())
+}
