@@ -8,6 +8,7 @@ pub mod config;
 pub mod device;
 pub mod engine;
 pub mod error;
+pub mod infer;
 pub mod model;
 pub mod rng;
 pub mod sampling;
@@ -21,6 +22,7 @@ pub use engine::{
     EngineOptions, FinishReason, Generation, Sample, generate, generate_stream, spawn_generation,
 };
 pub use error::{Error, Result};
+pub use infer::{InferOptions, Rollout, logprobs, score, values};
 pub use model::{Head, LoadOptions, Model};
 pub use sampling::SamplingParams;
 pub use tiny::{TinyConfig, TinyVocab, tiny};

@@ -5,7 +5,10 @@
 
 use std::path::PathBuf;
 
-use braid_runtime::{EngineOptions, Head, LoadOptions, Model, SamplingParams, Tokenizer, generate};
+use braid_runtime::{
+    EngineOptions, Head, InferOptions, LoadOptions, Model, Rollout, SamplingParams, Tokenizer,
+    generate, score,
+};
 use serde_json::Value;
 use tch::{Kind, Tensor};
 
@@ -152,6 +155,18 @@ fn reward_model_scores_match_transformers() {
         let out = tch::no_grad(|| model.forward(&Tensor::from_slice(seq).unsqueeze(0), None));
         let last = out.double_value(&[0, seq.len() as i64 - 1, 0]) as f32;
         assert!((last - w).abs() < 1e-4, "score {last} vs {w}");
+    }
+    // The batched scoring path, right-padded in one micro-batch.
+    let rollouts: Vec<Rollout> = seqs
+        .iter()
+        .map(|s| Rollout {
+            prompt: s[..3].to_vec(),
+            completion: s[3..].to_vec(),
+        })
+        .collect();
+    let got = score(&model, &rollouts, &InferOptions::default()).unwrap();
+    for (g, w) in got.iter().zip(&want) {
+        assert!((g - w).abs() < 1e-4, "batched score {g} vs {w}");
     }
 }
 
