@@ -467,3 +467,6 @@ pub mod fsem {
         a % b
     }
 }
+
+#[cfg(test)]
+mod tests;
