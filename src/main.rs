@@ -4,6 +4,9 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+mod check;
+mod diag;
+mod fmt;
 #[cfg(feature = "runtime")]
 mod generate;
 
@@ -16,6 +19,10 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Parse and check programs; report diagnostics.
+    Check(check::Args),
+    /// Rewrite programs in the canonical layout.
+    Fmt(fmt::Args),
     /// Sample completions from a model directory or a tiny model.
     #[cfg(feature = "runtime")]
     Generate(generate::Args),
@@ -24,6 +31,8 @@ enum Command {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
+        Command::Check(args) => check::run(args),
+        Command::Fmt(args) => fmt::run(args),
         #[cfg(feature = "runtime")]
         Command::Generate(args) => generate::run(args),
     }

@@ -110,10 +110,13 @@ fn syntax_error(
     offset: usize,
     text: &str,
 ) -> Diagnostic {
-    let pos = match e.location {
+    let mut pos = match e.location {
         pest::error::InputLocation::Pos(p) => p,
         pest::error::InputLocation::Span((s, _)) => s,
     };
+    if let Some(a) = e.parse_attempts() {
+        pos = pos.max(a.max_position);
+    }
     let mut expected: Vec<String> = Vec::new();
     if let pest::error::ErrorVariant::ParsingError { positives, .. } = &e.variant {
         for r in positives {
@@ -134,6 +137,11 @@ fn syntax_error(
                 }
             }
         }
+    }
+    // Tokens that merely start an expression or a name add noise next to "an expression".
+    if expected.iter().any(|x| x == "an expression" || x == "a name") {
+        const STARTS: &[&str] = &["`!`", "`\"`", "`(`", "`-`", "`_`", "`false`", "`true`", "`r\"`", "`scan`", "`if`"];
+        expected.retain(|x| !STARTS.contains(&x.as_str()));
     }
     expected.sort();
     expected.dedup();
@@ -162,6 +170,38 @@ fn syntax_error(
     .with_help("the item is skipped up to the next line that starts with `use`, `model`, `dataset`, `fn`, `pipeline`, `run`, `cluster` or `schedule`")
 }
 
+/// The byte range (from the quote to the end of its line) of the first string in `text` that
+/// has no closing quote on its line. Comments are skipped like the grammar skips them.
+fn unterminated_string(text: &str) -> Option<(usize, usize)> {
+    let b = text.as_bytes();
+    let mut i = 0;
+    while i < b.len() {
+        match b[i] {
+            b'/' if b.get(i + 1) == Some(&b'/') => {
+                while i < b.len() && b[i] != b'\n' {
+                    i += 1;
+                }
+            }
+            b'"' => {
+                let raw = i > 0 && b[i - 1] == b'r';
+                let start = i;
+                i += 1;
+                loop {
+                    match b.get(i) {
+                        None | Some(b'\n') => return Some((start, i)),
+                        Some(b'"') => break,
+                        Some(b'\\') if !raw => i += 2,
+                        Some(_) => i += 1,
+                    }
+                }
+                i += 1;
+            }
+            _ => i += 1,
+        }
+    }
+    None
+}
+
 /// What the parser found at `pos`: a description and its length in bytes.
 fn describe_found(text: &str, pos: usize) -> (String, usize) {
     let rest = text.get(pos..).unwrap_or("");
@@ -170,6 +210,11 @@ fn describe_found(text: &str, pos: usize) -> (String, usize) {
     };
     if c == '\n' {
         return ("end of line".to_string(), 0);
+    }
+    for op in ["->", "::", "..", "==", "!=", "<=", ">=", "&&", "||"] {
+        if rest.starts_with(op) {
+            return (format!("`{op}`"), 2);
+        }
     }
     if c.is_alphanumeric() || c == '_' {
         let word: String = rest
@@ -253,7 +298,22 @@ impl Builder {
         let offset = p.as_span().start();
         match RlhfParser::parse(Rule::item_only, chunk) {
             Err(e) => {
-                let d = syntax_error(&e, self.file, offset, chunk);
+                let pos = match e.location {
+                    pest::error::InputLocation::Pos(p) => p,
+                    pest::error::InputLocation::Span((s, _)) => s,
+                };
+                // An unterminated string makes the parser fail after it; say what really went
+                // wrong.
+                let d = match unterminated_string(chunk).filter(|(s, _)| *s <= pos) {
+                    Some((s, e)) => Diagnostic::new(
+                        Code::E0102,
+                        "unterminated string",
+                        Span::new(self.file, offset + s, offset + e),
+                        "this string has no closing `\"`",
+                    )
+                    .with_help("close the string with `\"` on the same line; write a line break as `\\n`"),
+                    None => syntax_error(&e, self.file, offset, chunk),
+                };
                 self.diags.push(d);
             }
             Ok(_) => {
@@ -1059,6 +1119,12 @@ impl Builder {
                         .with_label(self.span(&kids[1]), "first comparison")
                         .with_help("join two comparisons with `&&`: `a < b && b < c`"),
                     );
+                    // Build the operands for their own diagnostics, but not the chain: its
+                    // meaning is unknown, and typing it would only add a second error.
+                    for k in kids.into_iter().step_by(2) {
+                        self.expr(k);
+                    }
+                    return Expr { kind: ExprKind::Error, span };
                 }
                 self.fold_binary(kids, span)
             }

@@ -1,0 +1,514 @@
+//! The typed program (HIR): what every later phase — lowering, planning, kernels, the language
+//! server — reads. Names are resolved to ids, every expression carries its type, granularity and
+//! span, defaults are filled in, and the run's settings are evaluated.
+
+use braid_diagnostics::{FileId, Span};
+
+pub use crate::ty::{Granularity, RolloutId, Scope, SigTy, Ty};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct FnId(pub u32);
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct PipelineId(pub u32);
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ModelId(pub u32);
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct DatasetId(pub u32);
+/// A local of one function or pipeline body: an index into its `locals`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct LocalId(pub u32);
+
+/// A constant value: a run setting, a default, an option.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Value {
+    Int(i64),
+    Float(f64),
+    Bool(bool),
+    Str(String),
+}
+
+impl Value {
+    pub fn as_f64(&self) -> Option<f64> {
+        match self {
+            Value::Int(i) => Some(*i as f64),
+            Value::Float(f) => Some(*f),
+            _ => None,
+        }
+    }
+
+    pub fn as_i64(&self) -> Option<i64> {
+        match self {
+            Value::Int(i) => Some(*i),
+            _ => None,
+        }
+    }
+}
+
+impl std::fmt::Display for Value {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Value::Int(i) => write!(f, "{i}"),
+            Value::Float(x) => write!(f, "{x:?}"),
+            Value::Bool(b) => write!(f, "{b}"),
+            Value::Str(s) => write!(f, "{s:?}"),
+        }
+    }
+}
+
+/// What a name in an expression refers to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Def {
+    Fn(FnId),
+    Pipeline(PipelineId),
+    Model(ModelId),
+    Dataset(DatasetId),
+    Local(LocalId),
+    Builtin(&'static str),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UnaryOp {
+    Neg,
+    Not,
+}
+
+pub use braid_syntax::ast::BinaryOp;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SampleField {
+    Prompt,
+    Completion,
+    Answer,
+    Length,
+    Group,
+    Tokens,
+}
+
+impl SampleField {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SampleField::Prompt => "prompt",
+            SampleField::Completion => "completion",
+            SampleField::Answer => "answer",
+            SampleField::Length => "length",
+            SampleField::Group => "group",
+            SampleField::Tokens => "tokens",
+        }
+    }
+}
+
+/// The model calls: the nodes of the task graph that run a network.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum ModelOp {
+    Generate,
+    Logprobs,
+    Values,
+    Score,
+    Train,
+}
+
+impl ModelOp {
+    pub fn from_name(name: &str) -> Option<ModelOp> {
+        Some(match name {
+            "generate" => ModelOp::Generate,
+            "logprobs" => ModelOp::Logprobs,
+            "values" => ModelOp::Values,
+            "score" => ModelOp::Score,
+            "train" => ModelOp::Train,
+            _ => return None,
+        })
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ModelOp::Generate => "generate",
+            ModelOp::Logprobs => "logprobs",
+            ModelOp::Values => "values",
+            ModelOp::Score => "score",
+            ModelOp::Train => "train",
+        }
+    }
+}
+
+/// What a call calls.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Callee {
+    /// A model call; `args[0]` is the model.
+    Model(ModelOp),
+    /// Any other built-in, by its name in the stdlib table.
+    Builtin(&'static str),
+    Fn(FnId),
+    /// A function-valued pipeline parameter, such as `reward`.
+    FnValue(LocalId),
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum ExprKind {
+    Lit(Value),
+    Ref(Def),
+    /// `args` are in parameter order with defaults filled in (a default's span is the call's).
+    /// `mapped` is true when a per-sample function is applied to every sample of a rollout.
+    Call { callee: Callee, args: Vec<Expr>, mapped: bool },
+    Field { base: Box<Expr>, field: SampleField },
+    Index { base: Box<Expr>, index: Box<Expr> },
+    Unary { op: UnaryOp, operand: Box<Expr> },
+    Binary { op: BinaryOp, lhs: Box<Expr>, rhs: Box<Expr> },
+    If { cond: Box<Expr>, then: Body, else_: Box<Expr> },
+    Block(Body),
+    Scan(Box<Scan>),
+    /// Something that did not check; a diagnostic was reported.
+    Error,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Expr {
+    pub kind: ExprKind,
+    pub ty: Ty,
+    pub gran: Granularity,
+    pub span: Span,
+}
+
+/// `let`s then a value.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Body {
+    pub lets: Vec<(LocalId, Expr)>,
+    pub value: Box<Expr>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Scan {
+    pub reverse: bool,
+    pub var: LocalId,
+    pub acc: LocalId,
+    pub init: Expr,
+    pub lets: Vec<(LocalId, Expr)>,
+    pub value: Expr,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LocalKind {
+    /// A signature parameter (index into the signature).
+    Param(u32),
+    /// A pipeline `param` (index into `settings`).
+    Setting(u32),
+    /// A pipeline's local `model`.
+    Model(u32),
+    Let,
+    EachVar,
+    ScanVar,
+    ScanAcc,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Local {
+    pub name: String,
+    pub kind: LocalKind,
+    pub ty: Ty,
+    pub gran: Granularity,
+    pub span: Span,
+    pub uses: u32,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Param {
+    pub name: String,
+    pub ty: SigTy,
+    pub default: Option<Expr>,
+    pub span: Span,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Fn {
+    pub name: String,
+    pub file: FileId,
+    pub module: String,
+    pub params: Vec<Param>,
+    pub ret: SigTy,
+    pub scope: Scope,
+    pub body: Body,
+    pub locals: Vec<Local>,
+    pub name_span: Span,
+    pub span: Span,
+}
+
+impl Fn {
+    /// Whether the function is written for one sample and applied to every sample of a rollout.
+    pub fn is_per_sample(&self) -> bool {
+        self.params.iter().any(|p| p.ty.is_sample_valued())
+    }
+
+    pub fn signature(&self) -> crate::ty::FnSig {
+        crate::ty::FnSig { params: self.params.iter().map(|p| p.ty.clone()).collect(), ret: Box::new(self.ret.clone()) }
+    }
+}
+
+/// A pipeline `param`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Setting {
+    pub name: String,
+    pub ty: SigTy,
+    pub default: Option<Expr>,
+    pub where_: Option<Expr>,
+    pub span: Span,
+}
+
+/// A pipeline's local `model NAME = frozen(m)`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LocalModel {
+    pub name: String,
+    pub local: LocalId,
+    /// The model it copies: a Model-typed local of the pipeline.
+    pub frozen_of: Option<LocalId>,
+    pub span: Span,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum Stmt {
+    Let(LocalId, Expr),
+    Expr(Expr),
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Each {
+    pub var: LocalId,
+    pub count: Expr,
+    pub stmts: Vec<Stmt>,
+    pub span: Span,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Pipeline {
+    pub name: String,
+    pub file: FileId,
+    pub module: String,
+    pub params: Vec<Param>,
+    pub settings: Vec<Setting>,
+    pub models: Vec<LocalModel>,
+    pub each: Option<Each>,
+    pub locals: Vec<Local>,
+    pub name_span: Span,
+    pub span: Span,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum ModelSource {
+    Tiny(TinyConfig),
+    Hf { dir: String },
+    Frozen(ModelId),
+}
+
+/// The architecture of a `tiny(...)` model.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TinyConfig {
+    pub layers: i64,
+    pub hidden: i64,
+    pub heads: i64,
+    pub kv_heads: i64,
+    pub intermediate: i64,
+    pub max_len: i64,
+    pub seed: i64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Head {
+    Lm,
+    Value,
+    Score,
+}
+
+impl Head {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Head::Lm => "lm",
+            Head::Value => "value",
+            Head::Score => "score",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Dtype {
+    F32,
+    Bf16,
+    F16,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LrSchedule {
+    Constant,
+    Cosine,
+    Linear,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct AdamW {
+    pub lr: f64,
+    pub weight_decay: f64,
+    pub eps: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub warmup: i64,
+    pub schedule: LrSchedule,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Model {
+    pub name: String,
+    pub file: FileId,
+    pub source: ModelSource,
+    pub dtype: Option<Dtype>,
+    pub head: Head,
+    pub train: Option<AdamW>,
+    pub grad_clip: Option<f64>,
+    pub max_len: Option<i64>,
+    pub name_span: Span,
+    pub span: Span,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum DatasetSource {
+    Jsonl { path: String },
+    Parquet { path: String },
+    Synthetic { kind: String, count: i64, seed: i64, digits: i64 },
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Dataset {
+    pub name: String,
+    pub file: FileId,
+    pub source: DatasetSource,
+    pub prompt_field: String,
+    pub answer_field: String,
+    pub shuffle: bool,
+    pub seed: i64,
+    pub chat_template: bool,
+    pub epochs: Option<i64>,
+    pub name_span: Span,
+    pub span: Span,
+}
+
+/// What a pipeline's signature parameter is bound to by the run.
+#[derive(Debug, Clone, PartialEq)]
+pub enum RunArg {
+    Model(ModelId),
+    Dataset(DatasetId),
+    Fn(FnId),
+    Value(Value),
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Run {
+    pub pipeline: PipelineId,
+    /// In signature order.
+    pub args: Vec<RunArg>,
+    /// Every pipeline `param` with its value (set or default), in declaration order.
+    pub settings: Vec<(String, Value)>,
+    pub seed: i64,
+    pub checkpoint_every: i64,
+    pub span: Span,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum Cluster {
+    Cpu,
+    Gpus { gpus: i64, gpu: String, nodes: i64 },
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Program {
+    /// The root file (the one given to `braid check`).
+    pub root: FileId,
+    pub fns: Vec<Fn>,
+    pub pipelines: Vec<Pipeline>,
+    pub models: Vec<Model>,
+    pub datasets: Vec<Dataset>,
+    pub run: Option<Run>,
+    pub cluster: Option<Cluster>,
+    pub schedule: Option<braid_syntax::ast::Schedule>,
+    /// Every resolved use of a name: (where it is used, what it refers to, the definition's span).
+    pub references: Vec<Reference>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Reference {
+    pub span: Span,
+    pub def: Def,
+    pub def_span: Span,
+}
+
+/// A model call of a pipeline body, found by walking it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelCall {
+    pub op: ModelOp,
+    /// The Model-typed local called (a parameter or a local frozen model).
+    pub model: LocalId,
+    pub span: Span,
+}
+
+impl Pipeline {
+    /// The model calls of the `each` body, in source order.
+    pub fn model_calls(&self) -> Vec<ModelCall> {
+        fn walk(e: &Expr, out: &mut Vec<ModelCall>) {
+            match &e.kind {
+                ExprKind::Call { callee, args, .. } => {
+                    for a in args {
+                        walk(a, out);
+                    }
+                    if let (Callee::Model(op), Some(Expr { kind: ExprKind::Ref(Def::Local(l)), .. })) = (callee, args.first()) {
+                        out.push(ModelCall { op: *op, model: *l, span: e.span });
+                    }
+                }
+                ExprKind::Unary { operand, .. } => walk(operand, out),
+                ExprKind::Binary { lhs, rhs, .. } => {
+                    walk(lhs, out);
+                    walk(rhs, out);
+                }
+                ExprKind::Field { base, .. } => walk(base, out),
+                ExprKind::Index { base, index } => {
+                    walk(base, out);
+                    walk(index, out);
+                }
+                _ => {}
+            }
+        }
+        let mut out = Vec::new();
+        if let Some(each) = &self.each {
+            for s in &each.stmts {
+                match s {
+                    Stmt::Let(_, e) | Stmt::Expr(e) => walk(e, &mut out),
+                }
+            }
+        }
+        out.sort_by_key(|c| (c.span.start, c.span.end));
+        out
+    }
+
+    /// The model a Model-typed local stands for: its signature parameter index, following
+    /// local frozen copies; and whether the path went through a frozen copy.
+    pub fn model_param(&self, l: LocalId) -> Option<(u32, bool)> {
+        let mut cur = l;
+        let mut frozen = false;
+        for _ in 0..=self.models.len() {
+            let local = self.locals.get(cur.0 as usize)?;
+            match local.kind {
+                LocalKind::Param(i) => return Some((i, frozen)),
+                LocalKind::Model(i) => {
+                    frozen = true;
+                    cur = self.models.get(i as usize)?.frozen_of?;
+                }
+                _ => return None,
+            }
+        }
+        None
+    }
+}
+
+impl Program {
+    pub fn fn_by_name(&self, name: &str) -> Option<&Fn> {
+        self.fns.iter().find(|f| f.name == name)
+    }
+
+    pub fn pipeline_by_name(&self, name: &str) -> Option<&Pipeline> {
+        self.pipelines.iter().find(|p| p.name == name)
+    }
+}

@@ -1,0 +1,611 @@
+//! The run: binding a pipeline's parameters to models, datasets and functions, evaluating its
+//! settings against their `where` conditions, and the rules that need both (heads, training,
+//! unused models), plus schedule pins, which name the run's model calls.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use braid_diagnostics::{Code, Diagnostic, Span};
+use braid_syntax::ast;
+
+use crate::check::Checker;
+use crate::hir::*;
+use crate::items::closest;
+
+fn err(code: Code, msg: impl Into<String>, span: Span, label: impl Into<String>) -> Diagnostic {
+    Diagnostic::new(code, msg, span, label)
+}
+
+impl Checker<'_> {
+    /// Checks the root file's run, cluster and schedule, and the rules on the root's items.
+    pub(crate) fn root(&mut self) {
+        let items = &self.modules[0].ast.items;
+        let runs: Vec<ast::Run> = items.iter().filter_map(|i| if let ast::Item::Run(r) = i { Some(r.clone()) } else { None }).collect();
+        let clusters: Vec<ast::Cluster> =
+            items.iter().filter_map(|i| if let ast::Item::Cluster(c) = i { Some(c.clone()) } else { None }).collect();
+        let schedules: Vec<ast::Schedule> =
+            items.iter().filter_map(|i| if let ast::Item::Schedule(s) = i { Some(s.clone()) } else { None }).collect();
+        let has_resources = items.iter().any(|i| matches!(i, ast::Item::Model(_) | ast::Item::Dataset(_)));
+        let has_errors = items.iter().any(|i| matches!(i, ast::Item::Error(_)));
+        for extra in runs.iter().skip(1) {
+            let d = err(Code::E0403, "a file has more than one `run`", extra.span, "second `run`")
+                .with_label(runs[0].span, "first `run`")
+                .with_help("a runnable file runs one pipeline; put other runs in their own files that `use` this one");
+            self.report(d);
+        }
+        if runs.is_empty() && has_resources && !has_errors {
+            let first = items.iter().find(|i| matches!(i, ast::Item::Model(_) | ast::Item::Dataset(_))).map(|i| i.span());
+            let span = first.map_or(Span::DUMMY, |s| Span { end: s.start, ..s });
+            self.report(
+                err(Code::E0402, "this file declares models or data but has no `run`", span, "declared here without a `run`")
+                    .with_help("add `run PIPELINE(args) { settings }` — for example `run grpo(policy, prompts, reward: my_reward) { steps: 100 }`"),
+            );
+        }
+        for (kind, spans) in [("cluster", clusters.iter().map(|c| c.span).collect::<Vec<_>>()), ("schedule", schedules.iter().map(|s| s.span).collect())] {
+            for extra in spans.iter().skip(1) {
+                let d = err(Code::E0413, format!("a file has more than one `{kind}`"), *extra, format!("second `{kind}`"))
+                    .with_label(spans[0], format!("first `{kind}`"))
+                    .with_help(format!("merge them into one `{kind}` block"));
+                self.report(d);
+            }
+        }
+        self.program.cluster = clusters.first().and_then(|c| self.cluster(c));
+        if let Some(r) = runs.first() {
+            self.program.run = self.run(r);
+        }
+        if let Some(s) = schedules.first() {
+            self.schedule(s);
+            self.program.schedule = Some(s.clone());
+        }
+        if self.program.run.is_some() {
+            self.unused_models();
+        }
+    }
+
+    fn run(&mut self, r: &ast::Run) -> Option<Run> {
+        let name = r.pipeline.text();
+        let global = r.pipeline.as_single().and_then(|id| self.scopes[0].get(&id.name).copied());
+        let pid = match global.map(|g| (g.def, g.span)) {
+            Some((Def::Pipeline(p), span)) => {
+                self.program.references.push(Reference { span: r.pipeline.span, def: Def::Pipeline(p), def_span: span });
+                p
+            }
+            Some((_, span)) => {
+                self.report(
+                    err(Code::E0408, format!("`{name}` is not a pipeline"), r.pipeline.span, "not a pipeline")
+                        .with_label(span, "declared here")
+                        .with_help("`run` takes a pipeline, such as `grpo` from `use std::grpo`"),
+                );
+                return None;
+            }
+            None => {
+                let pipelines: Vec<String> = self.scopes[0]
+                    .iter()
+                    .filter(|(_, g)| matches!(g.def, Def::Pipeline(_)))
+                    .map(|(n, _)| n.clone())
+                    .collect();
+                let help = match closest(&name, &pipelines.iter().map(|s| s.as_str()).collect::<Vec<_>>()) {
+                    Some(s) => format!("did you mean `{s}`?"),
+                    None => format!("import a standard pipeline, e.g. `use std::{name}`, or define `pipeline {name}(…)`"),
+                };
+                self.report(err(Code::E0201, format!("unknown pipeline `{name}`"), r.pipeline.span, "not defined").with_help(help));
+                return None;
+            }
+        };
+        let pl = self.program.pipelines[pid.0 as usize].clone();
+        let mut ok = true;
+        // Signature arguments.
+        let mut bound: Vec<Option<&ast::Expr>> = vec![None; pl.params.len()];
+        for (i, a) in r.args.positional.iter().enumerate() {
+            if i < bound.len() {
+                bound[i] = Some(a);
+            } else {
+                self.report(
+                    err(Code::E0303, format!("`{name}` takes {} arguments, but {} were given", pl.params.len(), r.args.positional.len()), a.span, "surplus argument")
+                        .with_help(format!("the parameters are: {}", pl.params.iter().map(|p| p.name.as_str()).collect::<Vec<_>>().join(", "))),
+                );
+                ok = false;
+                break;
+            }
+        }
+        for n in &r.args.named {
+            match pl.params.iter().position(|p| p.name == n.name.name) {
+                Some(i) if bound[i].is_some() => {
+                    self.report(
+                        err(Code::E0209, format!("argument `{}` is given twice", n.name.name), n.span, "given again")
+                            .with_label(bound[i].map_or(r.span, |e| e.span), "first given here")
+                            .with_help("give each argument once"),
+                    );
+                    ok = false;
+                }
+                Some(i) => bound[i] = Some(&n.value),
+                None => {
+                    let names: Vec<&str> = pl.params.iter().map(|p| p.name.as_str()).collect();
+                    let help = match closest(&n.name.name, &names) {
+                        Some(s) => format!("did you mean `{s}`?"),
+                        None => format!("`{name}` takes {}", names.join(", ")),
+                    };
+                    self.report(err(Code::E0208, format!("`{name}` has no parameter `{}`", n.name.name), n.name.span, "unknown argument").with_help(help));
+                    ok = false;
+                }
+            }
+        }
+        let mut args: Vec<RunArg> = Vec::new();
+        let mut arg_spans: Vec<Span> = Vec::new();
+        for (i, p) in pl.params.iter().enumerate() {
+            let Some(a) = bound[i] else {
+                match &p.default {
+                    Some(Expr { kind: ExprKind::Lit(v), .. }) => {
+                        args.push(RunArg::Value(v.clone()));
+                        arg_spans.push(r.span);
+                    }
+                    _ => {
+                        self.report(
+                            err(Code::E0302, format!("`{name}` is missing argument `{}`", p.name), r.args.span, format!("`{}` missing", p.name))
+                                .with_label(p.span, "parameter declared here")
+                                .with_help(format!("pass it: `{}: …`", p.name)),
+                        );
+                        ok = false;
+                    }
+                }
+                continue;
+            };
+            match self.run_arg(p, a) {
+                Some(v) => {
+                    args.push(v);
+                    arg_spans.push(a.span);
+                }
+                None => ok = false,
+            }
+        }
+        // Settings.
+        let mut given: BTreeMap<String, (Value, Span, Span)> = BTreeMap::new();
+        // Settings written but invalid (already reported) are not also "missing".
+        let mut attempted: BTreeSet<String> = BTreeSet::new();
+        let mut seed = 0i64;
+        let mut checkpoint_every = 50i64;
+        if let Some(opts) = &r.settings {
+            for e in &opts.entries {
+                let key = e.key.name.as_str();
+                attempted.insert(key.to_string());
+                let setting = pl.settings.iter().find(|s| s.name == key);
+                let run_level = braid_stdlib::RUN_SETTINGS.iter().find(|s| s.key == key);
+                let ty = match (setting, run_level) {
+                    (Some(s), _) => s.ty.clone(),
+                    (None, Some(_)) => SigTy::Int,
+                    (None, None) => {
+                        let mut names: Vec<&str> = pl.settings.iter().map(|s| s.name.as_str()).collect();
+                        names.extend(braid_stdlib::RUN_SETTINGS.iter().map(|s| s.key));
+                        let help = match closest(key, &names) {
+                            Some(s) => format!("did you mean `{s}`? `{name}` has the settings {}", names.join(", ")),
+                            None => format!("`{name}` has the settings {}", names.join(", ")),
+                        };
+                        self.report(err(Code::E0405, format!("`{name}` has no setting `{key}`"), e.key.span, "unknown setting").with_help(help));
+                        ok = false;
+                        continue;
+                    }
+                };
+                if given.contains_key(key) {
+                    self.report(
+                        err(Code::E0209, format!("setting `{key}` is given twice"), e.key.span, "given again")
+                            .with_label(given[key].1, "first given here")
+                            .with_help("give each setting once"),
+                    );
+                    ok = false;
+                    continue;
+                }
+                let Some(v) = self.option_value(e, &ty) else {
+                    ok = false;
+                    continue;
+                };
+                if setting.is_none() {
+                    let i = v.as_i64().unwrap_or(0);
+                    if key == "seed" {
+                        self.range_check(e, i as f64, i >= 0, ">= 0");
+                        seed = i;
+                    } else {
+                        self.range_check(e, i as f64, i > 0, "> 0");
+                        checkpoint_every = i;
+                    }
+                    continue;
+                }
+                let vspan = match &e.value {
+                    ast::OptionValue::Expr(x) => x.span,
+                    _ => e.span,
+                };
+                given.insert(key.to_string(), (v, e.key.span, vspan));
+            }
+        }
+        // Every param gets a value: set, or its default evaluated over the earlier ones.
+        let (_, past) = self.pipeline_asts[pid.0 as usize].clone();
+        let mut env: BTreeMap<String, Value> = BTreeMap::new();
+        let mut settings: Vec<(String, Value)> = Vec::new();
+        for (si, s) in past.settings.iter().enumerate() {
+            let ty = pl.settings.get(si).map_or(SigTy::Error, |x| x.ty.clone());
+            let v = match given.get(&s.name.name) {
+                Some((v, _, _)) => Some(v.clone()),
+                None => match &s.default {
+                    Some(d) => self.const_eval(d, &env).ok().map(|v| coerce(v, &ty)),
+                    None if attempted.contains(&s.name.name) => {
+                        ok = false;
+                        None
+                    }
+                    None => {
+                        self.report(
+                            err(Code::E0406, format!("`{name}` needs the setting `{}`", s.name.name), r.span, format!("`{}` not set", s.name.name))
+                                .with_label(s.name.span, "declared without a default here")
+                                .with_help(format!("set it in the run's block: `{{ {}: … }}`", s.name.name)),
+                        );
+                        ok = false;
+                        None
+                    }
+                },
+            };
+            if let Some(v) = v {
+                env.insert(s.name.name.clone(), v.clone());
+                settings.push((s.name.name.clone(), v));
+            }
+        }
+        {
+            for s in &past.settings {
+                let Some(w) = &s.where_ else { continue };
+                if let Ok(Value::Bool(false)) = self.const_eval(w, &env) {
+                    let cond = self.sources.snippet(w.span).to_string();
+                    let value = env.get(&s.name.name).map(|v| v.to_string()).unwrap_or_default();
+                    let (primary, label) = match given.get(&s.name.name) {
+                        Some((_, _, vspan)) => (*vspan, format!("`{}` is {value}", s.name.name)),
+                        None => (r.span, format!("`{}` defaults to {value}", s.name.name)),
+                    };
+                    let others: Vec<String> = given
+                        .iter()
+                        .filter(|(k, _)| *k != &s.name.name && cond.contains(k.as_str()))
+                        .map(|(k, (v, _, _))| format!("`{k}` is {v}"))
+                        .collect();
+                    let mut d = err(Code::E0404, format!("`{}` must satisfy `{cond}`", s.name.name), primary, label)
+                        .with_label(w.span, "required here")
+                        .with_help(format!("choose a value of `{}` for which `{cond}` holds", s.name.name));
+                    if !others.is_empty() {
+                        d = d.with_note(format!("with {}", others.join(", ")));
+                    }
+                    self.report(d);
+                    ok = false;
+                }
+            }
+        }
+        self.model_rules(&pl, &args, &arg_spans);
+        ok.then_some(Run { pipeline: pid, args, settings, seed, checkpoint_every, span: r.span })
+    }
+
+    fn range_check(&mut self, e: &ast::OptionEntry, v: f64, ok: bool, rule: &str) {
+        if !ok {
+            self.report(
+                err(Code::E0411, format!("`{}` is {v}, but it must be {rule}", e.key.name), e.span, format!("must be {rule}"))
+                    .with_help(format!("choose a value {rule}")),
+            );
+        }
+    }
+
+    fn run_arg(&mut self, p: &Param, a: &ast::Expr) -> Option<RunArg> {
+        let named = match &a.kind {
+            ast::ExprKind::Path(path) => path.as_single().cloned(),
+            _ => None,
+        };
+        let global = named.as_ref().and_then(|id| self.scopes[0].get(&id.name).copied());
+        if let (Some(id), Some(g)) = (&named, global) {
+            self.program.references.push(Reference { span: id.span, def: g.def, def_span: g.span });
+        }
+        let what = |d: &Def| match d {
+            Def::Model(_) => "a model",
+            Def::Dataset(_) => "a dataset",
+            Def::Fn(_) => "a function",
+            Def::Pipeline(_) => "a pipeline",
+            _ => "a value",
+        };
+        match (&p.ty, global.map(|g| g.def)) {
+            (SigTy::Model, Some(Def::Model(m))) => Some(RunArg::Model(m)),
+            (SigTy::Dataset, Some(Def::Dataset(d))) => Some(RunArg::Dataset(d)),
+            (SigTy::Fn(sig), Some(Def::Fn(f))) => {
+                let func = &self.program.fns[f.0 as usize];
+                let have = func.signature();
+                let compatible = have.params.len() == sig.params.len()
+                    && have.params.iter().zip(&sig.params).all(|(a, b)| a == b)
+                    && (have.ret == sig.ret
+                        || matches!((&*have.ret, &*sig.ret), (SigTy::Float | SigTy::PerSample | SigTy::Int, SigTy::Float | SigTy::PerSample)));
+                if !compatible {
+                    let fspan = func.name_span;
+                    self.report(
+                        err(Code::E0301, format!("`{}` has type {have}, but `{}` must be {sig}", func.name, p.name), a.span, format!("expected {sig}"))
+                            .with_label(fspan, format!("`{}` declared here", func.name))
+                            .with_help(format!("write a function of type {sig}")),
+                    );
+                    return None;
+                }
+                Some(RunArg::Fn(f))
+            }
+            (SigTy::Model | SigTy::Dataset | SigTy::Fn(_), Some(def)) => {
+                self.report(
+                    err(Code::E0301, format!("`{}` must be {}, but this is {}", p.name, p.ty, what(&def)), a.span, format!("expected {}", p.ty))
+                        .with_label(p.span, "parameter declared here")
+                        .with_help(format!("pass {} declared in this file", match p.ty { SigTy::Model => "a model", SigTy::Dataset => "a dataset", _ => "a function" })),
+                );
+                None
+            }
+            (SigTy::Model | SigTy::Dataset | SigTy::Fn(_), None) => {
+                let text = self.sources.snippet(a.span).to_string();
+                self.report(
+                    err(Code::E0201, format!("unknown name `{text}`"), a.span, "not defined")
+                        .with_help(format!("`{}` takes {} declared in this file or imported", p.name, p.ty)),
+                );
+                None
+            }
+            (ty, _) => match self.const_eval(a, &BTreeMap::new()) {
+                Ok(v) if crate::items::scalar_accepts(ty, &value_ty(&v)) => Some(RunArg::Value(coerce(v, ty))),
+                Ok(v) => {
+                    self.report(
+                        err(Code::E0301, format!("`{}` must be {ty}, not {}", p.name, value_ty(&v).describe()), a.span, format!("expected {ty}"))
+                            .with_help(format!("pass a {ty}")),
+                    );
+                    None
+                }
+                Err(span) => {
+                    self.report(err(Code::E0412, format!("`{}` must be a constant", p.name), span, "not a constant").with_help("pass a literal"));
+                    None
+                }
+            },
+        }
+    }
+
+    /// Heads and training: every model call must find the head it needs, and every trained
+    /// model must declare `train:`.
+    fn model_rules(&mut self, pl: &Pipeline, args: &[RunArg], arg_spans: &[Span]) {
+        let mut reported: BTreeSet<(u32, &'static str)> = BTreeSet::new();
+        for call in pl.model_calls() {
+            let Some((pi, frozen)) = pl.model_param(call.model) else { continue };
+            let Some(RunArg::Model(mid)) = args.get(pi as usize) else { continue };
+            let model = self.program.models[mid.0 as usize].clone();
+            let arg_span = arg_spans.get(pi as usize).copied().unwrap_or(model.name_span);
+            let local_name = pl.locals.get(call.model.0 as usize).map_or(String::new(), |l| l.name.clone());
+            let need = match call.op {
+                ModelOp::Generate | ModelOp::Logprobs => Some(Head::Lm),
+                ModelOp::Values => Some(Head::Value),
+                ModelOp::Score => Some(Head::Score),
+                ModelOp::Train => None,
+            };
+            if let Some(need) = need {
+                if model.head != need && reported.insert((mid.0, call.op.as_str())) {
+                    let d = err(
+                        Code::E0410,
+                        format!("`{}` needs a model with a `{}` head, but `{}` has a `{}` head", call.op.as_str(), need.as_str(), model.name, model.head.as_str()),
+                        arg_span,
+                        format!("`{}` has head `{}`", model.name, model.head.as_str()),
+                    )
+                    .with_label(call.span, format!("`{}({local_name})` here", call.op.as_str()))
+                    .with_label(model.name_span, "model declared here")
+                    .with_help(format!("declare the model with `{{ head: {} }}`, or pass a model that has one", need.as_str()));
+                    self.report(d);
+                }
+            }
+            if call.op == ModelOp::Train && !frozen && model.train.is_none() && reported.insert((mid.0, "train")) {
+                let d = err(
+                    Code::E0401,
+                    format!("model `{}` is trained by `{}` but declares no `train:`", model.name, pl.name),
+                    arg_span,
+                    "trained, but frozen",
+                )
+                .with_label(model.name_span, "declared without `train:` here")
+                .with_label(call.span, format!("`train({local_name})` here"))
+                .with_help(format!("make it trainable: `model {} = … {{ train: adamw(lr: 1e-5) }}`", model.name));
+                self.report(d);
+            }
+        }
+    }
+
+    fn unused_models(&mut self) {
+        let Some(run) = &self.program.run else { return };
+        let mut used: BTreeSet<u32> = run.args.iter().filter_map(|a| if let RunArg::Model(m) = a { Some(m.0) } else { None }).collect();
+        if let Some(s) = &self.program.schedule {
+            for p in &s.pins {
+                if let ast::PinKind::Speculate { mode: ast::SpeculateMode::Draft(d), .. } = &p.kind {
+                    if let Some(m) = self.program.models.iter().position(|m| m.name == d.name) {
+                        used.insert(m as u32);
+                    }
+                }
+            }
+        }
+        // Frozen copies keep what they copy alive, and are themselves used only if used.
+        let root = self.modules[0].file;
+        for (i, m) in self.program.models.clone().iter().enumerate() {
+            if m.file != root || used.contains(&(i as u32)) {
+                continue;
+            }
+            let copied_by_used = self.program.models.iter().enumerate().any(|(j, o)| used.contains(&(j as u32)) && o.source == ModelSource::Frozen(ModelId(i as u32)));
+            if copied_by_used {
+                continue;
+            }
+            self.report(
+                err(Code::W0002, format!("model `{}` is never used by the run", m.name), m.name_span, "declared here")
+                    .with_help("pass it to the run, or remove it"),
+            );
+        }
+    }
+
+    fn schedule(&mut self, s: &ast::Schedule) {
+        let Some(run) = self.program.run.clone() else {
+            if let Some(p) = s.pins.first() {
+                self.report(
+                    err(Code::E0501, "schedule pins need a `run` to refer to", p.span, "nothing to pin")
+                        .with_help("add a `run`, or remove the `schedule`"),
+                );
+            }
+            return;
+        };
+        let pl = self.program.pipelines[run.pipeline.0 as usize].clone();
+        let calls: Vec<(ModelOp, String, Span)> = pl
+            .model_calls()
+            .into_iter()
+            .map(|c| (c.op, pl.locals.get(c.model.0 as usize).map_or(String::new(), |l| l.name.clone()), c.span))
+            .collect();
+        let gpus = match &self.program.cluster {
+            Some(Cluster::Gpus { gpus, .. }) => Some(*gpus),
+            Some(Cluster::Cpu) => Some(1),
+            None => None,
+        };
+        for pin in &s.pins {
+            match &pin.kind {
+                ast::PinKind::FuseOff | ast::PinKind::MigrateOff => {}
+                ast::PinKind::Fuse { from, to } => {
+                    self.selector(from, &calls, &pl.name);
+                    for t in to {
+                        self.selector(t, &calls, &pl.name);
+                    }
+                }
+                ast::PinKind::MigrateBelow { percent, span } => {
+                    if !(*percent > 0.0 && *percent < 100.0) {
+                        self.report(
+                            err(Code::E0411, format!("`migrate below {percent}%` must be between 0% and 100%"), *span, "out of range")
+                                .with_help("migrate the long tail when fewer than this share of samples remain, e.g. `migrate below 20%`"),
+                        );
+                    }
+                }
+                ast::PinKind::Interleave(sels) => {
+                    for sel in sels {
+                        if self.selector(sel, &calls, &pl.name) && sel.op.name != "train" {
+                            self.report(
+                                err(Code::E0301, "`interleave` fuses `train` calls", sel.span, "not a `train` call")
+                                    .with_help("interleave the training of two models: `interleave train(policy), train(critic)`"),
+                            );
+                        }
+                    }
+                }
+                ast::PinKind::Place { target, from, to, layout } => {
+                    self.selector(target, &calls, &pl.name);
+                    if from.value >= to.value {
+                        self.report(
+                            err(Code::E0503, format!("device range {}..{} is empty", from.value, to.value), from.span.to(to.span), "empty range")
+                                .with_help("ranges are half-open: `0..8` is devices 0 to 7"),
+                        );
+                        continue;
+                    }
+                    if let Some(g) = gpus {
+                        if to.value > g {
+                            self.report(
+                                err(Code::E0503, format!("device range {}..{} goes past the cluster's {g} device{}", from.value, to.value, if g == 1 { "" } else { "s" }), to.span, "no such device")
+                                    .with_help(format!("devices are numbered 0..{g}")),
+                            );
+                            continue;
+                        }
+                    }
+                    let product: i64 = layout.iter().map(|(_, n)| n.value.max(1)).product();
+                    let count = to.value - from.value;
+                    for (_, n) in layout {
+                        if n.value <= 0 {
+                            self.report(err(Code::E0411, "a parallel degree must be > 0", n.span, "must be > 0").with_help("write e.g. `tp 2`"));
+                        }
+                    }
+                    if !layout.is_empty() && count % product != 0 {
+                        self.report(
+                            err(Code::E0503, format!("the layout needs a multiple of {product} devices, but {}..{} has {count}", from.value, to.value), pin.span, "layout does not fit")
+                                .with_help("make dp × tp × pp divide the number of devices"),
+                        );
+                    }
+                }
+                ast::PinKind::Speculate { target, mode } => {
+                    if let Some(t) = target {
+                        if self.selector(t, &calls, &pl.name) && t.op.name != "generate" {
+                            self.report(
+                                err(Code::E0301, "`speculate` applies to `generate` calls", t.span, "not a `generate` call")
+                                    .with_help("pin speculative decoding of generation: `speculate generate(policy) ngram(3)`"),
+                            );
+                        }
+                    } else {
+                        let gens = calls.iter().filter(|c| c.0 == ModelOp::Generate).count();
+                        if gens > 1 {
+                            self.report(
+                                err(Code::E0502, format!("`speculate` without a selector matches {gens} `generate` calls"), pin.span, "ambiguous")
+                                    .with_help("name the call: `speculate generate(policy) …`"),
+                            );
+                        }
+                    }
+                    match mode {
+                        ast::SpeculateMode::Ngram { n, max } => {
+                            if n.value <= 0 {
+                                self.report(err(Code::E0411, "an n-gram length must be > 0", n.span, "must be > 0").with_help("write e.g. `ngram(3)`"));
+                            }
+                            if let Some(m) = max {
+                                if m.value <= 0 {
+                                    self.report(err(Code::E0411, "a draft length must be > 0", m.span, "must be > 0").with_help("write e.g. `max 8`"));
+                                }
+                            }
+                        }
+                        ast::SpeculateMode::Draft(d) => {
+                            if !self.program.models.iter().any(|m| m.name == d.name) {
+                                self.report(
+                                    err(Code::E0201, format!("unknown draft model `{}`", d.name), d.span, "not a declared model")
+                                        .with_help("declare the draft model with `model NAME = hf(\"…\")`; it must share the policy's tokenizer"),
+                                );
+                            }
+                        }
+                        ast::SpeculateMode::Off => {}
+                    }
+                }
+                ast::PinKind::MicroBatch { target, size } => {
+                    self.selector(target, &calls, &pl.name);
+                    if size.value <= 0 {
+                        self.report(err(Code::E0411, "a micro-batch size must be > 0", size.span, "must be > 0").with_help("write e.g. `micro_batch train(policy) 8`"));
+                    }
+                }
+            }
+        }
+    }
+
+    /// Checks that a selector matches exactly one model call; returns whether it matched.
+    fn selector(&mut self, sel: &ast::Selector, calls: &[(ModelOp, String, Span)], pipeline: &str) -> bool {
+        let matching: Vec<&(ModelOp, String, Span)> = calls
+            .iter()
+            .filter(|(op, m, _)| op.as_str() == sel.op.name && sel.model.as_ref().is_none_or(|x| x.name == *m))
+            .collect();
+        let listing = calls.iter().map(|(op, m, _)| format!("{}({m})", op.as_str())).collect::<BTreeSet<_>>().into_iter().collect::<Vec<_>>().join(", ");
+        match matching.len() {
+            0 => {
+                let text = match &sel.model {
+                    Some(m) => format!("{}({})", sel.op.name, m.name),
+                    None => sel.op.name.clone(),
+                };
+                self.report(
+                    err(Code::E0501, format!("`{text}` matches no model call of `{pipeline}`"), sel.span, "matches nothing")
+                        .with_help(format!("the model calls of `{pipeline}` are {listing}")),
+                );
+                false
+            }
+            1 => true,
+            n => {
+                let distinct: BTreeSet<&String> = matching.iter().map(|c| &c.1).collect();
+                if sel.model.is_none() && distinct.len() > 1 {
+                    self.report(
+                        err(Code::E0502, format!("`{}` matches {n} model calls of `{pipeline}`", sel.op.name), sel.span, "ambiguous")
+                            .with_help(format!("name the model: one of {}", matching.iter().map(|c| format!("{}({})", c.0.as_str(), c.1)).collect::<Vec<_>>().join(", "))),
+                    );
+                    false
+                } else {
+                    // Several calls on the same model (e.g. two `generate(policy)`) are pinned together.
+                    true
+                }
+            }
+        }
+    }
+}
+
+fn value_ty(v: &Value) -> Ty {
+    match v {
+        Value::Int(_) => Ty::Int,
+        Value::Float(_) => Ty::Float,
+        Value::Bool(_) => Ty::Bool,
+        Value::Str(_) => Ty::Str,
+    }
+}
+
+fn coerce(v: Value, ty: &SigTy) -> Value {
+    match (ty, v) {
+        (SigTy::Float, Value::Int(i)) => Value::Float(i as f64),
+        (_, v) => v,
+    }
+}
