@@ -209,3 +209,58 @@ fn run_inner(args: &Args) -> Result<(), Error> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn file(tag: &str, text: &str) -> PathBuf {
+        let p = std::env::temp_dir().join(format!("braid-gen-{}-{tag}.jsonl", std::process::id()));
+        std::fs::write(&p, text).unwrap();
+        p
+    }
+
+    #[test]
+    fn empty_prompt_file_is_an_error_naming_it() {
+        let p = file("empty", "\n\n");
+        let msg = read_prompts(&p)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert_eq!(
+            msg,
+            format!("{}: no prompts (the file is empty)", p.display())
+        );
+    }
+
+    #[test]
+    fn bad_lines_are_errors_naming_the_line() {
+        let p = file("bad", "{\"prompt\": \"ok\"}\n{\"text\": 3}\n");
+        let msg = read_prompts(&p)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(
+            msg.starts_with(&format!("{}: line 2: expected a string", p.display())),
+            "{msg}"
+        );
+        let p = file("json", "{\"prompt\": \"ok\"}\nnot json\n");
+        let msg = read_prompts(&p)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(
+            msg.starts_with(&format!("{}: line 2: invalid JSON", p.display())),
+            "{msg}"
+        );
+    }
+
+    #[test]
+    fn prompts_are_objects_or_strings() {
+        let p = file("good", "{\"prompt\": \"a\"}\n\"b\"\n");
+        assert_eq!(
+            read_prompts(&p).unwrap(),
+            vec!["a".to_owned(), "b".to_owned()]
+        );
+    }
+}
