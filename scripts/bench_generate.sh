@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Generation throughput: Braid's engine against transformers' `generate` on the same tiny
+# Llama (hidden 256, 4 layers, 4 heads, vocabulary 1,000), 32 prompts, 64 new tokens,
+# sampling (temperature 1, top-k 50), at 1 and 2 threads. Also reports the share of this
+# machine's measured f32 matmul FLOP/s that Braid's generation reaches.
+#
+#   scripts/bench_generate.sh [REPEATS]      (default 5 runs per configuration)
+#
+# Needs transformers in .pydeps (`.venv/bin/python -m pip install --target .pydeps transformers`).
+# Results are recorded in docs/benchmarks.md, section "Generation".
+set -euo pipefail
+cd "$(dirname "$0")/.."
+REPEATS="${1:-5}"
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target-rt}"
+PY=".venv/bin/python"
+export PYTHONPATH="$PWD/.pydeps${PYTHONPATH:+:$PYTHONPATH}"
+MODEL="${BENCH_MODEL_DIR:-/tmp/braid-bench-model}"
+
+cargo build --release -q -p braid-runtime --example bench_generate
+BIN="$CARGO_TARGET_DIR/release/examples/bench_generate"
+[ -f "$MODEL/model.safetensors" ] || "$PY" scripts/bench_make_model.py "$MODEL"
+
+echo "machine: $(nproc) CPUs, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)"
+echo "model: $MODEL; 32 prompts x 64 new tokens; $REPEATS runs each"
+for threads in 1 2; do
+  braid=$("$BIN" --model "$MODEL" --threads "$threads" --repeats "$REPEATS")
+  hf=$("$PY" scripts/bench_hf_generate.py "$MODEL" --threads "$threads" --repeats "$REPEATS" 2>/dev/null)
+  echo "$braid"
+  echo "$hf"
+  "$PY" - "$braid" "$hf" <<'PYEOF'
+import json, sys
+b, h = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+print(f"threads={b['threads']}: braid {b['tokens_per_s_median']:.0f} tok/s (median; p90 run {b['seconds_p90']:.2f} s), "
+      f"transformers {h['tokens_per_s_median']:.0f} tok/s (median; p90 run {h['seconds_p90']:.2f} s), "
+      f"speed-up {b['tokens_per_s_median'] / h['tokens_per_s_median']:.2f}x; "
+      f"per CPU-second: braid {b['tokens_per_cpu_s_median']:.0f}, transformers {h['tokens_per_cpu_s_median']:.0f} tok/cpu-s "
+      f"({b['tokens_per_cpu_s_median'] / h['tokens_per_cpu_s_median']:.2f}x); "
+      f"braid reaches {100 * b['share_of_matmul_peak']:.1f}% of measured matmul {b['matmul_gflops']:.1f} GFLOP/s")
+PYEOF
+done
