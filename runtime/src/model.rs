@@ -861,3 +861,68 @@ fn fill_random(params: &[(String, Tensor, Init)], seed: u64) -> Result<()> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tiny::{TinyConfig, tiny};
+
+    #[test]
+    fn gradients_reach_every_parameter() {
+        let (m, _) = tiny(
+            &TinyConfig {
+                layers: 1,
+                ..TinyConfig::default()
+            },
+            Head::Lm,
+            Device::Cpu,
+        )
+        .unwrap();
+        let ids = Tensor::from_slice(&[256i64, 1, 2, 3, 258, 258]).reshape([2, 3]);
+        let mask = Tensor::from_slice(&[1i64, 1, 1, 1, 0, 0]).reshape([2, 3]);
+        let loss = m
+            .forward(&ids, Some(&mask))
+            .log_softmax(-1, Kind::Float)
+            .mean(Kind::Float);
+        loss.backward();
+        for (name, t) in m.var_store().variables() {
+            assert!(t.requires_grad(), "{name}");
+            assert!(t.grad().defined(), "{name} has no gradient");
+            assert!(
+                t.grad().isfinite().all().int64_value(&[]) == 1,
+                "{name}: non-finite gradient"
+            );
+        }
+    }
+
+    #[test]
+    fn padding_on_either_side_does_not_change_outputs() {
+        let (m, _) = tiny(&TinyConfig::default(), Head::Lm, Device::Cpu).unwrap();
+        let seq = [256i64, 72, 105, 33];
+        let plain = tch::no_grad(|| m.forward(&Tensor::from_slice(&seq).unsqueeze(0), None));
+        let left = Tensor::from_slice(&[258i64, 258, 256, 72, 105, 33]).unsqueeze(0);
+        let left_mask = Tensor::from_slice(&[0i64, 0, 1, 1, 1, 1]).unsqueeze(0);
+        let right = Tensor::from_slice(&[256i64, 72, 105, 33, 258, 258]).unsqueeze(0);
+        let right_mask = Tensor::from_slice(&[1i64, 1, 1, 1, 0, 0]).unsqueeze(0);
+        let l = tch::no_grad(|| m.forward(&left, Some(&left_mask))).narrow(1, 2, 4);
+        let r = tch::no_grad(|| m.forward(&right, Some(&right_mask))).narrow(1, 0, 4);
+        assert!(plain.allclose(&l, 1e-5, 1e-5, false));
+        assert!(plain.allclose(&r, 1e-5, 1e-5, false));
+    }
+
+    #[test]
+    fn cache_rollback_recomputes_the_same_logits() {
+        let (m, _) = tiny(&TinyConfig::default(), Head::Lm, Device::Cpu).unwrap();
+        let mut cache = m.new_cache(1);
+        let prompt = Tensor::from_slice(&[256i64, 10, 20, 30]).unsqueeze(0);
+        let _ = m.forward_cached(&mut cache, &prompt, &[4]);
+        // Append three drafted tokens at once, then roll back two and re-append one.
+        let drafts = Tensor::from_slice(&[40i64, 50, 60]).unsqueeze(0);
+        let h3 = m.forward_cached(&mut cache, &drafts, &[3]);
+        assert_eq!(cache.lens(), &[7]);
+        cache.truncate(0, 5).unwrap();
+        let h1 = m.forward_cached(&mut cache, &Tensor::from_slice(&[50i64]).unsqueeze(0), &[1]);
+        assert!(h3.narrow(1, 1, 1).allclose(&h1, 1e-5, 1e-5, false));
+        assert!(cache.truncate(0, 9).is_err());
+    }
+}
