@@ -109,8 +109,8 @@ pub(crate) struct Checker<'a> {
     pub diags: Vec<Diagnostic>,
     pub program: Program,
     /// The syntax of every fn and pipeline, by id, for bodies checked after all signatures.
-    pub fn_asts: Vec<(usize, ast::FnDecl)>,
-    pub pipeline_asts: Vec<(usize, ast::Pipeline)>,
+    pub fn_asts: Vec<(usize, &'a ast::FnDecl)>,
+    pub pipeline_asts: Vec<(usize, &'a ast::Pipeline)>,
     pub fn_calls: Vec<BTreeSet<FnId>>,
 }
 
@@ -357,10 +357,16 @@ impl<'a> Checker<'a> {
         mk(ExprKind::Unary { op, operand: Box::new(x) }, ty, gran, span)
     }
 
-    fn mixed(&mut self, cx: &BodyCx, a: RolloutId, b: RolloutId, sa: Span, sb: Span, span: Span) {
-        let mut d = err(Code::E0304, "values of two different rollouts are combined", span, "combines two rollouts")
-            .with_label(sa, format!("from rollout {}", a.0 + 1))
-            .with_label(sb, format!("from rollout {}", b.0 + 1));
+    /// Reports E0304. The primary label is the value of the second rollout, the secondary one
+    /// the first (labels must not overlap, or the terminal renderer stacks them unreadably).
+    fn mixed(&mut self, cx: &BodyCx, a: RolloutId, b: RolloutId, sa: Span, sb: Span, _span: Span) {
+        let mut d = err(
+            Code::E0304,
+            "values of two different rollouts are combined",
+            sb,
+            format!("from rollout {}, combined with rollout {}", b.0 + 1, a.0 + 1),
+        )
+        .with_label(sa, format!("from rollout {}", a.0 + 1));
         let (ga, gb) = (cx.rollout_span(a), cx.rollout_span(b));
         if !ga.is_dummy() && !gb.is_dummy() {
             d = d.with_label(ga, format!("rollout {} generated here", a.0 + 1)).with_label(gb, format!("rollout {} generated here", b.0 + 1));

@@ -8,28 +8,30 @@ use braid_syntax::ast;
 
 use crate::check::{mk, suggest, BodyCx, Checker, Global, Place};
 use crate::hir::*;
+use crate::load::Module;
 
 fn err(code: Code, msg: impl Into<String>, span: Span, label: impl Into<String>) -> Diagnostic {
     Diagnostic::new(code, msg, span, label)
 }
 
-impl Checker<'_> {
+impl<'a> Checker<'a> {
     /// Declares every item of every module and builds each module's scope: its imports, then
     /// its own items (which shadow imports).
     pub(crate) fn collect(&mut self) {
         let mut own: Vec<BTreeMap<String, Global>> = Vec::new();
-        for (mi, m) in self.modules.iter().enumerate() {
+        let modules: &'a [Module] = self.modules;
+        for (mi, m) in modules.iter().enumerate() {
             let mut scope: BTreeMap<String, Global> = BTreeMap::new();
             for item in &m.ast.items {
                 let (name, def) = match item {
                     ast::Item::Fn(f) => {
                         let id = FnId(self.fn_asts.len() as u32);
-                        self.fn_asts.push((mi, f.clone()));
+                        self.fn_asts.push((mi, f));
                         (&f.name, Def::Fn(id))
                     }
                     ast::Item::Pipeline(p) => {
                         let id = PipelineId(self.pipeline_asts.len() as u32);
-                        self.pipeline_asts.push((mi, p.clone()));
+                        self.pipeline_asts.push((mi, p));
                         (&p.name, Def::Pipeline(id))
                     }
                     ast::Item::Model(d) => (&d.name, Def::Model(ModelId(u32::MAX))),
@@ -80,7 +82,7 @@ impl Checker<'_> {
 
     pub(crate) fn fn_signatures(&mut self) {
         for i in 0..self.fn_asts.len() {
-            let (mi, f) = self.fn_asts[i].clone();
+            let (mi, f) = self.fn_asts[i];
             let mut params: Vec<Param> = Vec::new();
             for p in &f.params {
                 if let Some(prev) = params.iter().find(|q| q.name == p.name.name) {
@@ -148,7 +150,7 @@ impl Checker<'_> {
 
     pub(crate) fn fn_bodies(&mut self) {
         for i in 0..self.fn_asts.len() {
-            let (mi, f) = self.fn_asts[i].clone();
+            let (mi, f) = self.fn_asts[i];
             let (params, scope, ret) = {
                 let func = &self.program.fns[i];
                 (func.params.clone(), func.scope, func.ret.clone())
@@ -327,8 +329,8 @@ impl Checker<'_> {
 
     pub(crate) fn pipelines(&mut self) {
         for i in 0..self.pipeline_asts.len() {
-            let (mi, p) = self.pipeline_asts[i].clone();
-            let pl = self.pipeline(mi, &p);
+            let (mi, p) = self.pipeline_asts[i];
+            let pl = self.pipeline(mi, p);
             self.program.pipelines.push(pl);
         }
     }
@@ -536,12 +538,13 @@ impl Checker<'_> {
 
     pub(crate) fn resources(&mut self) {
         // Models first in file order; `frozen(m)` refers to a model declared anywhere in scope.
-        let mut decls: Vec<(usize, ast::ModelDecl, bool)> = Vec::new();
-        for (mi, m) in self.modules.iter().enumerate() {
+        let mut decls: Vec<(usize, &'a ast::ModelDecl, bool)> = Vec::new();
+        let modules: &'a [Module] = self.modules;
+        for (mi, m) in modules.iter().enumerate() {
             for item in &m.ast.items {
                 match item {
-                    ast::Item::Model(d) => decls.push((mi, d.clone(), true)),
-                    ast::Item::Dataset(d) => decls.push((mi, d.clone(), false)),
+                    ast::Item::Model(d) => decls.push((mi, d, true)),
+                    ast::Item::Dataset(d) => decls.push((mi, d, false)),
                     _ => {}
                 }
             }

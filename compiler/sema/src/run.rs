@@ -216,7 +216,7 @@ impl Checker<'_> {
             }
         }
         // Every param gets a value: set, or its default evaluated over the earlier ones.
-        let (_, past) = self.pipeline_asts[pid.0 as usize].clone();
+        let (_, past) = self.pipeline_asts[pid.0 as usize];
         let mut env: BTreeMap<String, Value> = BTreeMap::new();
         let mut settings: Vec<(String, Value)> = Vec::new();
         for (si, s) in past.settings.iter().enumerate() {
