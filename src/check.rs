@@ -39,8 +39,16 @@ pub fn run(args: Args) -> ExitCode {
         if errors == 0 && warnings == 0 {
             eprintln!("checked {files}: no problems");
         } else {
-            eprintln!("checked {files}: {}, {}", diag::plural(errors, "error"), diag::plural(warnings, "warning"));
+            eprintln!(
+                "checked {files}: {}, {}",
+                diag::plural(errors, "error"),
+                diag::plural(warnings, "warning")
+            );
         }
     }
-    if errors > 0 { ExitCode::from(1) } else { ExitCode::SUCCESS }
+    if errors > 0 {
+        ExitCode::from(1)
+    } else {
+        ExitCode::SUCCESS
+    }
 }

@@ -20,7 +20,9 @@ pub struct DiskLoader;
 impl braid_sema::Loader for DiskLoader {
     fn load(&self, from: &str, path: &str) -> Result<(String, String), String> {
         let name = braid_sema::join(from, path);
-        std::fs::read_to_string(&name).map(|t| (name.clone(), t)).map_err(|e| e.to_string())
+        std::fs::read_to_string(&name)
+            .map(|t| (name.clone(), t))
+            .map_err(|e| e.to_string())
     }
 }
 
@@ -37,8 +39,15 @@ pub fn print(diags: &[Diagnostic], sources: &SourceMap, format: Format) {
             }
         }
         Format::Human => {
-            let width = if color_wanted() { terminal_width() } else { 100 };
-            let opts = RenderOptions { color: color_wanted(), width };
+            let width = if color_wanted() {
+                terminal_width()
+            } else {
+                100
+            };
+            let opts = RenderOptions {
+                color: color_wanted(),
+                width,
+            };
             for d in diags {
                 eprint!("{}", braid_diagnostics::render_terminal(d, sources, opts));
                 eprintln!();
@@ -48,15 +57,25 @@ pub fn print(diags: &[Diagnostic], sources: &SourceMap, format: Format) {
 }
 
 fn terminal_width() -> usize {
-    std::env::var("COLUMNS").ok().and_then(|c| c.parse().ok()).unwrap_or(100)
+    std::env::var("COLUMNS")
+        .ok()
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(100)
 }
 
 /// Counts errors and warnings.
 pub fn counts(diags: &[Diagnostic]) -> (usize, usize) {
-    let errors = diags.iter().filter(|d| d.severity() == Severity::Error).count();
+    let errors = diags
+        .iter()
+        .filter(|d| d.severity() == Severity::Error)
+        .count();
     (errors, diags.len() - errors)
 }
 
 pub fn plural(n: usize, word: &str) -> String {
-    if n == 1 { format!("{n} {word}") } else { format!("{n} {word}s") }
+    if n == 1 {
+        format!("{n} {word}")
+    } else {
+        format!("{n} {word}s")
+    }
 }

@@ -24,7 +24,11 @@ pub fn run(args: Args) -> ExitCode {
     let mut differ = Vec::new();
     for path in &args.files {
         let stdin = path.as_os_str() == "-";
-        let name = if stdin { "<stdin>".to_string() } else { path.display().to_string() };
+        let name = if stdin {
+            "<stdin>".to_string()
+        } else {
+            path.display().to_string()
+        };
         let text = if stdin {
             let mut s = String::new();
             if let Err(e) = std::io::stdin().read_to_string(&mut s) {
@@ -63,10 +67,18 @@ pub fn run(args: Args) -> ExitCode {
         }
     }
     if args.check && !differ.is_empty() {
-        eprintln!("{} not formatted; run `braid fmt` on {}", diag::plural(differ.len(), "file"), if differ.len() == 1 { "it" } else { "them" });
+        eprintln!(
+            "{} not formatted; run `braid fmt` on {}",
+            diag::plural(differ.len(), "file"),
+            if differ.len() == 1 { "it" } else { "them" }
+        );
         return ExitCode::from(1);
     }
-    if failed { ExitCode::from(1) } else { ExitCode::SUCCESS }
+    if failed {
+        ExitCode::from(1)
+    } else {
+        ExitCode::SUCCESS
+    }
 }
 
 /// Writes through a temporary file and a rename, so an interrupted `fmt` never truncates a file.

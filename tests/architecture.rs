@@ -23,24 +23,47 @@ fn dependencies(manifest: &Path) -> Vec<String> {
     deps
 }
 
-const COMPILER: &[&str] = &["grammar", "compiler/diagnostics", "compiler/ir", "compiler/sema", "compiler/passes", "stdlib"];
+const COMPILER: &[&str] = &[
+    "grammar",
+    "compiler/diagnostics",
+    "compiler/ir",
+    "compiler/sema",
+    "compiler/passes",
+    "stdlib",
+];
 
 #[test]
 fn only_the_runtime_links_libtorch_and_the_compiler_stays_lean() {
     for krate in COMPILER.iter().chain(["compiler/jit"].iter()) {
         let deps = dependencies(&Path::new(krate).join("Cargo.toml"));
         for banned in ["tch", "torch-sys", "lsp-server", "lsp-types"] {
-            assert!(!deps.iter().any(|d| d == banned), "{krate} must not depend on {banned}");
+            assert!(
+                !deps.iter().any(|d| d == banned),
+                "{krate} must not depend on {banned}"
+            );
         }
     }
     // The IR is the contract between compiler and runtime: no parser, JIT or LSP in it.
     let ir = dependencies(Path::new("compiler/ir/Cargo.toml"));
-    for banned in ["pest", "pest_derive", "cranelift-codegen", "cranelift-jit", "braid-syntax", "braid-sema"] {
-        assert!(!ir.iter().any(|d| d == banned), "braid-ir must not depend on {banned}");
+    for banned in [
+        "pest",
+        "pest_derive",
+        "cranelift-codegen",
+        "cranelift-jit",
+        "braid-syntax",
+        "braid-sema",
+    ] {
+        assert!(
+            !ir.iter().any(|d| d == banned),
+            "braid-ir must not depend on {banned}"
+        );
     }
     let runtime = dependencies(Path::new("runtime/Cargo.toml"));
     for banned in ["braid-syntax", "braid-sema", "pest"] {
-        assert!(!runtime.iter().any(|d| d == banned), "the runtime takes plans, not programs: no {banned}");
+        assert!(
+            !runtime.iter().any(|d| d == banned),
+            "the runtime takes plans, not programs: no {banned}"
+        );
     }
 }
 
@@ -55,7 +78,12 @@ fn compiler_crates_do_no_file_io() {
             let text = std::fs::read_to_string(&path).unwrap();
             // Unit tests at the bottom of a file may read fixtures.
             let code = text.split("#[cfg(test)]").next().unwrap_or("");
-            for banned in ["std::fs", "File::open", "read_to_string(", "std::env::current_dir"] {
+            for banned in [
+                "std::fs",
+                "File::open",
+                "read_to_string(",
+                "std::env::current_dir",
+            ] {
                 assert!(!code.contains(banned), "{} uses {banned}", path.display());
             }
         }

@@ -3,7 +3,7 @@
 //! the checker or the formatter; every diagnostic carries a code and a span inside its file;
 //! and the formatter is idempotent on every mutant it accepts. Deterministic: a fixed seed.
 
-use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::panic::{AssertUnwindSafe, catch_unwind};
 
 /// SplitMix64: a tiny seeded generator, so the mutants are the same on every run.
 struct Rng(u64);
@@ -18,18 +18,30 @@ impl Rng {
     }
 
     fn below(&mut self, n: usize) -> usize {
-        if n == 0 { 0 } else { (self.next() % n as u64) as usize }
+        if n == 0 {
+            0
+        } else {
+            (self.next() % n as u64) as usize
+        }
     }
 }
 
 fn corpus() -> Vec<(String, String)> {
     let mut out = Vec::new();
     for dir in ["examples", "examples/errors", "stdlib/std", "tests/ui"] {
-        let Ok(rd) = std::fs::read_dir(dir) else { continue };
-        let mut paths: Vec<_> = rd.map(|e| e.unwrap().path()).filter(|p| p.extension().is_some_and(|x| x == "rlhf")).collect();
+        let Ok(rd) = std::fs::read_dir(dir) else {
+            continue;
+        };
+        let mut paths: Vec<_> = rd
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.extension().is_some_and(|x| x == "rlhf"))
+            .collect();
         paths.sort();
         for p in paths {
-            out.push((p.to_string_lossy().into_owned(), std::fs::read_to_string(&p).unwrap()));
+            out.push((
+                p.to_string_lossy().into_owned(),
+                std::fs::read_to_string(&p).unwrap(),
+            ));
         }
     }
     out
@@ -40,7 +52,15 @@ fn tokens(s: &str) -> Vec<(usize, usize)> {
     let mut out = Vec::new();
     let mut chars = s.char_indices().peekable();
     while let Some((i, c)) = chars.next() {
-        let class = |c: char| if c.is_alphanumeric() || c == '_' { 0 } else if c == ' ' { 1 } else { 2 };
+        let class = |c: char| {
+            if c.is_alphanumeric() || c == '_' {
+                0
+            } else if c == ' ' {
+                1
+            } else {
+                2
+            }
+        };
         let k = class(c);
         let mut end = i + c.len_utf8();
         if k != 2 {
@@ -116,7 +136,9 @@ fn ten_thousand_mutants_never_panic_and_every_error_has_code_and_span() {
     for n in 0..total {
         let (name, text) = &corpus[n % corpus.len()];
         let mutant = mutate(text, &mut rng);
-        let result = catch_unwind(AssertUnwindSafe(|| braid_sema::check(name, &mutant, &braid_sema::NoImports)));
+        let result = catch_unwind(AssertUnwindSafe(|| {
+            braid_sema::check(name, &mutant, &braid_sema::NoImports)
+        }));
         let checked = match result {
             Ok(c) => c,
             Err(_) => panic!("the checker panicked on a mutant of {name}:\n---\n{mutant}\n---"),
@@ -126,9 +148,20 @@ fn ten_thousand_mutants_never_panic_and_every_error_has_code_and_span() {
         }
         for d in &checked.diagnostics {
             let span = d.span();
-            assert!(!span.is_dummy(), "{name}: {} without a span on mutant:\n{mutant}", d.code);
-            let file = checked.sources.get(span.file).expect("span in a known file");
-            assert!(span.start <= span.end && span.end as usize <= file.text.len(), "{name}: {} span out of its file", d.code);
+            assert!(
+                !span.is_dummy(),
+                "{name}: {} without a span on mutant:\n{mutant}",
+                d.code
+            );
+            let file = checked
+                .sources
+                .get(span.file)
+                .expect("span in a known file");
+            assert!(
+                span.start <= span.end && span.end as usize <= file.text.len(),
+                "{name}: {} span out of its file",
+                d.code
+            );
             assert!(d.help.is_some(), "{name}: {} without help", d.code);
         }
         let fmt = catch_unwind(AssertUnwindSafe(|| braid_syntax::format::format(&mutant)));
@@ -136,22 +169,35 @@ fn ten_thousand_mutants_never_panic_and_every_error_has_code_and_span() {
             Err(_) => panic!("the formatter panicked on a mutant of {name}:\n---\n{mutant}\n---"),
             Ok(Ok(once)) => {
                 formatted += 1;
-                let twice = braid_syntax::format::format(&once).unwrap_or_else(|d| panic!("formatted output does not parse: {d:?}\n{once}"));
-                assert_eq!(once, twice, "fmt is not idempotent on a mutant of {name}:\n---\n{mutant}\n---");
+                let twice = braid_syntax::format::format(&once)
+                    .unwrap_or_else(|d| panic!("formatted output does not parse: {d:?}\n{once}"));
+                assert_eq!(
+                    once, twice,
+                    "fmt is not idempotent on a mutant of {name}:\n---\n{mutant}\n---"
+                );
             }
             Ok(Err(_)) => {}
         }
     }
     // The mutations must actually break programs, and leave some parseable.
-    assert!(with_errors > total / 4, "only {with_errors} mutants had errors");
+    assert!(
+        with_errors > total / 4,
+        "only {with_errors} mutants had errors"
+    );
     assert!(formatted > total / 10, "only {formatted} mutants parsed");
 }
 
 #[test]
 fn formatting_preserves_the_typed_program() {
     for (name, text) in corpus() {
-        let Ok(formatted) = braid_syntax::format::format(&text) else { continue };
-        assert_eq!(braid_syntax::format::format(&formatted).as_deref().ok(), Some(formatted.as_str()), "{name}: not idempotent");
+        let Ok(formatted) = braid_syntax::format::format(&text) else {
+            continue;
+        };
+        assert_eq!(
+            braid_syntax::format::format(&formatted).as_deref().ok(),
+            Some(formatted.as_str()),
+            "{name}: not idempotent"
+        );
         let before = braid_sema::check(&name, &text, &braid_sema::NoImports);
         let after = braid_sema::check(&name, &formatted, &braid_sema::NoImports);
         assert_eq!(
@@ -159,7 +205,12 @@ fn formatting_preserves_the_typed_program() {
             braid_sema::pretty::program(&after.program),
             "{name}: formatting changed the program"
         );
-        let codes = |c: &braid_sema::Checked| c.diagnostics.iter().map(|d| d.code).collect::<Vec<_>>();
-        assert_eq!(codes(&before), codes(&after), "{name}: formatting changed the diagnostics");
+        let codes =
+            |c: &braid_sema::Checked| c.diagnostics.iter().map(|d| d.code).collect::<Vec<_>>();
+        assert_eq!(
+            codes(&before),
+            codes(&after),
+            "{name}: formatting changed the diagnostics"
+        );
     }
 }

@@ -6,14 +6,16 @@
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
-use braid_diagnostics::{render_terminal, Code, RenderOptions};
+use braid_diagnostics::{Code, RenderOptions, render_terminal};
 
 struct Disk;
 
 impl braid_sema::Loader for Disk {
     fn load(&self, from: &str, path: &str) -> Result<(String, String), String> {
         let name = braid_sema::join(from, path);
-        std::fs::read_to_string(&name).map(|t| (name.clone(), t)).map_err(|e| e.to_string())
+        std::fs::read_to_string(&name)
+            .map(|t| (name.clone(), t))
+            .map_err(|e| e.to_string())
     }
 }
 
@@ -31,7 +33,9 @@ fn fixtures() -> Vec<PathBuf> {
 fn expectations(text: &str) -> BTreeSet<(u32, String)> {
     let mut out = BTreeSet::new();
     for (i, line) in text.lines().enumerate() {
-        let Some(pos) = line.find("//~") else { continue };
+        let Some(pos) = line.find("//~") else {
+            continue;
+        };
         let rest = &line[pos + 3..];
         let ups = rest.chars().take_while(|c| *c == '^').count();
         for code in rest[ups..].split_whitespace() {
@@ -58,7 +62,14 @@ fn check_fixture(path: &Path) -> (BTreeSet<(u32, String)>, BTreeSet<(u32, String
         } else {
             actual.insert((0, format!("{}@{}", d.code, checked.sources.location(span))));
         }
-        rendered.push_str(&render_terminal(d, &checked.sources, RenderOptions { color: false, width: 100 }));
+        rendered.push_str(&render_terminal(
+            d,
+            &checked.sources,
+            RenderOptions {
+                color: false,
+                width: 100,
+            },
+        ));
         rendered.push('\n');
     }
     (expectations(&text), actual, rendered)
@@ -101,10 +112,16 @@ fn every_code_has_a_fixture_a_snapshot_and_docs() {
             }
         }
         if !Path::new(&format!("tests/ui/snapshots/{stem}.snap")).exists() {
-            missing.push(format!("{code}: no snapshot tests/ui/snapshots/{stem}.snap"));
+            missing.push(format!(
+                "{code}: no snapshot tests/ui/snapshots/{stem}.snap"
+            ));
         }
         if !docs.contains(&format!("## {} {}", code.as_str(), code.name())) {
-            missing.push(format!("{code}: no section `## {} {}` in docs/diagnostics.md", code.as_str(), code.name()));
+            missing.push(format!(
+                "{code}: no section `## {} {}` in docs/diagnostics.md",
+                code.as_str(),
+                code.name()
+            ));
         }
     }
     assert!(missing.is_empty(), "{}", missing.join("\n"));

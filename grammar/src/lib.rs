@@ -9,4 +9,4 @@ pub mod comments;
 pub mod format;
 mod parse;
 
-pub use parse::{parse, readable_rule};
+pub use parse::{KEYWORDS, parse, readable_rule};

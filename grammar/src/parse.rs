@@ -20,6 +20,7 @@ pub fn parse(text: &str, file: FileId) -> (File, Vec<Diagnostic>) {
     // pest's error detail, which would make it about 1.6x slower; chunks that failed are
     // re-parsed with detail on, in `recover`.
     let mut b = Builder {
+        misused_keywords: std::cell::RefCell::new(Vec::new()),
         text,
         file,
         diags: Vec::new(),
@@ -38,7 +39,9 @@ pub fn parse(text: &str, file: FileId) -> (File, Vec<Diagnostic>) {
         }
     };
     let span = Span::new(file, 0, text.len());
-    (File { items, span }, b.diags)
+    let mut diags = b.diags;
+    diags.extend(b.misused_keywords.into_inner());
+    (File { items, span }, diags)
 }
 
 /// A grammar rule's name as users should read it in "expected …" messages, or `None` for rules
@@ -51,12 +54,8 @@ pub fn readable_rule(rule: Rule) -> Option<&'static str> {
         Rule::float => "a number",
         Rule::string | Rule::raw_string => "a string",
         Rule::bool_lit => "`true` or `false`",
-        Rule::expr_stmt | Rule::or_expr | Rule::and_expr | Rule::cmp_expr | Rule::add_expr => {
-            "an expression"
-        }
-        Rule::mul_expr | Rule::unary | Rule::postfix | Rule::paren | Rule::if_expr => {
-            "an expression"
-        }
+        Rule::expr_stmt | Rule::bin_expr | Rule::operand => "an expression",
+        Rule::paren | Rule::if_expr => "an expression",
         Rule::scan_expr => "an expression",
         Rule::type_expr | Rule::fn_type => "a type",
         Rule::options => "an options block `{ … }`",
@@ -85,10 +84,7 @@ pub fn readable_rule(rule: Rule) -> Option<&'static str> {
         | Rule::pin_speculate
         | Rule::pin_micro_batch => "a pin",
         Rule::named_arg => "a named argument",
-        Rule::cmp_op => "a comparison",
-        Rule::add_op | Rule::mul_op => "an operator",
-        Rule::op_or => "`||`",
-        Rule::op_and => "`&&`",
+        Rule::bin_op => "an operator",
         Rule::EOI => "end of file",
         Rule::off => "`off`",
         Rule::layout | Rule::layout_kind => "`tp`, `pp` or `dp`",
@@ -139,8 +135,13 @@ fn syntax_error(
         }
     }
     // Tokens that merely start an expression or a name add noise next to "an expression".
-    if expected.iter().any(|x| x == "an expression" || x == "a name") {
-        const STARTS: &[&str] = &["`!`", "`\"`", "`(`", "`-`", "`_`", "`false`", "`true`", "`r\"`", "`scan`", "`if`"];
+    if expected
+        .iter()
+        .any(|x| x == "an expression" || x == "a name")
+    {
+        const STARTS: &[&str] = &[
+            "`!`", "`\"`", "`(`", "`-`", "`_`", "`false`", "`true`", "`r\"`", "`scan`", "`if`",
+        ];
         expected.retain(|x| !STARTS.contains(&x.as_str()));
     }
     expected.sort();
@@ -175,11 +176,26 @@ fn syntax_error(
 /// re-parses from turning it off under each other, and it is off again afterwards.
 fn parse_with_detail(chunk: &str) -> Result<(), pest::error::Error<Rule>> {
     static DETAIL: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    let _guard = DETAIL.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    let _guard = DETAIL
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
     pest::set_error_detail(true);
     let result = RlhfParser::parse(Rule::item_only, chunk).map(|_| ());
     pest::set_error_detail(false);
     result
+}
+
+/// The operator span of an unparenthesised comparison, from the (expression, operator) spans
+/// recorded while folding.
+fn comparison_op_span(e: &Expr, ops_seen: &[(Span, Span)]) -> Option<Span> {
+    match &e.kind {
+        ExprKind::Binary { op, .. } if op.is_comparison() => ops_seen
+            .iter()
+            .rev()
+            .find(|(expr, _)| *expr == e.span)
+            .map(|(_, op)| *op),
+        _ => None,
+    }
 }
 
 /// The end of `text[start..end]` without trailing whitespace and `//` comments.
@@ -195,10 +211,15 @@ fn trim_end(text: &str, start: usize, mut end: usize) -> usize {
     }
     loop {
         let seg = &text.as_bytes()[start..end];
-        let trimmed = seg.iter().rposition(|b| !b" \t\r\n".contains(b)).map_or(0, |i| i + 1);
+        let trimmed = seg
+            .iter()
+            .rposition(|b| !b" \t\r\n".contains(b))
+            .map_or(0, |i| i + 1);
         end = start + trimmed;
         // The last line of the span, which a comment would end.
-        let line_start = text[start..end].rfind('\n').map_or(start, |i| start + i + 1);
+        let line_start = text[start..end]
+            .rfind('\n')
+            .map_or(start, |i| start + i + 1);
         let line = &text[line_start..end];
         if !line.contains("//") {
             return end;
@@ -270,8 +291,16 @@ fn describe_found(text: &str, pos: usize) -> (String, usize) {
 struct Builder<'t> {
     file: FileId,
     diags: Vec<Diagnostic>,
+    /// Keywords used as names, found where the builder only reads (`ident` takes `&self`).
+    misused_keywords: std::cell::RefCell<Vec<Diagnostic>>,
     text: &'t str,
 }
+
+/// Reserved words: never names. Pin words (`fuse`, `place`, …) are keywords only in `schedule`.
+pub const KEYWORDS: &[&str] = &[
+    "use", "model", "dataset", "fn", "pipeline", "param", "each", "in", "run", "cluster",
+    "schedule", "let", "if", "else", "scan", "reverse", "with", "where", "true", "false", "over",
+];
 
 fn children(p: P<'_>) -> Vec<P<'_>> {
     inner(p).collect()
@@ -301,6 +330,7 @@ fn is_keyword(r: Rule) -> bool {
             | Rule::kw_migrate
             | Rule::kw_model
             | Rule::kw_on
+            | Rule::kw_over
             | Rule::kw_param
             | Rule::kw_pipeline
             | Rule::kw_place
@@ -319,7 +349,11 @@ impl Builder<'_> {
     /// its last token (implicit whitespace before an optional part that turned out absent).
     fn span(&self, p: &P<'_>) -> Span {
         let s = p.as_span();
-        Span::new(self.file, s.start(), trim_end(self.text, s.start(), s.end()))
+        Span::new(
+            self.file,
+            s.start(),
+            trim_end(self.text, s.start(), s.end()),
+        )
     }
 
     fn file(&mut self, p: P<'_>) -> Vec<Item> {
@@ -354,7 +388,9 @@ impl Builder<'_> {
                         Span::new(self.file, offset + s, offset + e),
                         "this string has no closing `\"`",
                     )
-                    .with_help("close the string with `\"` on the same line; write a line break as `\\n`"),
+                    .with_help(
+                        "close the string with `\"` on the same line; write a line break as `\\n`",
+                    ),
                     None => syntax_error(&e, self.file, offset, chunk),
                 };
                 self.diags.push(d);
@@ -936,9 +972,22 @@ impl Builder<'_> {
     }
 
     fn ident(&self, p: P<'_>) -> Ident {
+        let name = p.as_str();
+        let span = self.span(&p);
+        if KEYWORDS.contains(&name) {
+            self.misused_keywords.borrow_mut().push(
+                Diagnostic::new(
+                    Code::E0101,
+                    format!("`{name}` is a keyword, not a name"),
+                    span,
+                    "reserved word",
+                )
+                .with_help(format!("choose another name, such as `{name}_`")),
+            );
+        }
         Ident {
-            name: p.as_str().to_string(),
-            span: self.span(&p),
+            name: name.to_string(),
+            span,
         }
     }
 
@@ -1030,7 +1079,7 @@ impl Builder<'_> {
                     let span = Span::new(self.file, start + i, start + end);
                     self.diags.push(
                         Diagnostic::new(Code::E0104, format!("unknown escape `\\{e}`"), span, "unknown escape")
-                            .with_help("escapes are `\\n`, `\\t`, `\\r`, `\\0`, `\\\\`, `\\\"` and `\\u{…}`; for a regex write a raw string `r\"…\"`"),
+                            .with_help("escapes are `\\n`, `\\t`, `\\r`, `\\0`, `\\\\`, `\\\"`, `\\'` and `\\u{…}`; for a regex write a raw string `r\"…\"`"),
                     );
                 }
             }
@@ -1143,50 +1192,28 @@ impl Builder<'_> {
                 }
             }
             Rule::scan_expr => self.scan(p),
-            Rule::or_expr | Rule::and_expr | Rule::add_expr | Rule::mul_expr => {
-                self.binary_chain(p)
-            }
-            Rule::cmp_expr => {
-                let kids = children(p);
-                let n_ops = kids.len() / 2;
-                if n_ops >= 2 {
-                    let op2 = &kids[3];
-                    let sp = self.span(op2);
-                    self.diags.push(
-                        Diagnostic::new(
-                            Code::E0105,
-                            "comparisons cannot be chained",
-                            sp,
-                            "second comparison",
-                        )
-                        .with_label(self.span(&kids[1]), "first comparison")
-                        .with_help("join two comparisons with `&&`: `a < b && b < c`"),
-                    );
-                    // Build the operands for their own diagnostics, but not the chain: its
-                    // meaning is unknown, and typing it would only add a second error.
-                    for k in kids.into_iter().step_by(2) {
-                        self.expr(k);
+            Rule::bin_expr => self.bin_expr(p),
+            Rule::operand => {
+                // unary_op* primary (call_args | field | index)*: postfix binds tighter.
+                let mut unary_ops = Vec::new();
+                let mut e: Option<Expr> = None;
+                for k in inner(p) {
+                    match k.as_rule() {
+                        Rule::unary_op => unary_ops.push((k.as_str() == "-", self.span(&k))),
+                        Rule::call_args | Rule::field | Rule::index => {
+                            if let Some(base) = e.take() {
+                                e = Some(self.postfix(base, k));
+                            }
+                        }
+                        _ => e = Some(self.expr(k)),
                     }
-                    return Expr { kind: ExprKind::Error, span };
                 }
-                self.fold_binary(kids, span)
-            }
-            Rule::unary => {
-                let mut kids = children(p);
-                let Some(last) = kids.pop() else {
-                    return Expr {
-                        kind: ExprKind::Error,
-                        span,
-                    };
-                };
-                let mut e = self.expr(last);
-                for op in kids.into_iter().rev() {
-                    let op_span = self.span(&op);
-                    let op = if op.as_str() == "-" {
-                        UnaryOp::Neg
-                    } else {
-                        UnaryOp::Not
-                    };
+                let mut e = e.unwrap_or(Expr {
+                    kind: ExprKind::Error,
+                    span,
+                });
+                for (neg, op_span) in unary_ops.into_iter().rev() {
+                    let op = if neg { UnaryOp::Neg } else { UnaryOp::Not };
                     let s = op_span.to(e.span);
                     e = Expr {
                         kind: ExprKind::Unary {
@@ -1195,57 +1222,6 @@ impl Builder<'_> {
                         },
                         span: s,
                     };
-                }
-                e
-            }
-            Rule::postfix => {
-                let mut it = inner(p);
-                let Some(first) = it.next() else {
-                    return Expr {
-                        kind: ExprKind::Error,
-                        span,
-                    };
-                };
-                let mut e = self.expr(first);
-                for op in it {
-                    let op_span = self.span(&op);
-                    let s = e.span.to(op_span);
-                    let kind = match op.as_rule() {
-                        Rule::call_args => {
-                            let args = match inner(op).next() {
-                                Some(a) => self.args(a),
-                                None => self.empty_args(op_span),
-                            };
-                            ExprKind::Call {
-                                callee: Box::new(e),
-                                args,
-                            }
-                        }
-                        Rule::field => {
-                            let name = match inner(op).next() {
-                                Some(i) => self.ident(i),
-                                None => self.missing_ident(op_span),
-                            };
-                            ExprKind::Field {
-                                base: Box::new(e),
-                                name,
-                            }
-                        }
-                        _ => {
-                            let index = match inner(op).next() {
-                                Some(i) => self.expr(i),
-                                None => Expr {
-                                    kind: ExprKind::Error,
-                                    span: op_span,
-                                },
-                            };
-                            ExprKind::Index {
-                                base: Box::new(e),
-                                index: Box::new(index),
-                            }
-                        }
-                    };
-                    e = Expr { kind, span: s };
                 }
                 e
             }
@@ -1386,49 +1362,146 @@ impl Builder<'_> {
         }
     }
 
-    fn binary_chain(&mut self, p: P<'_>) -> Expr {
-        let span = self.span(&p);
-        let kids = children(p);
-        self.fold_binary(kids, span)
+    fn postfix(&mut self, base: Expr, op: P<'_>) -> Expr {
+        let op_span = self.span(&op);
+        let s = base.span.to(op_span);
+        let kind = match op.as_rule() {
+            Rule::call_args => {
+                let args = match inner(op).next() {
+                    Some(a) => self.args(a),
+                    None => self.empty_args(op_span),
+                };
+                ExprKind::Call {
+                    callee: Box::new(base),
+                    args,
+                }
+            }
+            Rule::field => {
+                let name = match inner(op).next() {
+                    Some(i) => self.ident(i),
+                    None => self.missing_ident(op_span),
+                };
+                ExprKind::Field {
+                    base: Box::new(base),
+                    name,
+                }
+            }
+            _ => {
+                let index = match inner(op).next() {
+                    Some(i) => self.expr(i),
+                    None => Expr {
+                        kind: ExprKind::Error,
+                        span: op_span,
+                    },
+                };
+                ExprKind::Index {
+                    base: Box::new(base),
+                    index: Box::new(index),
+                }
+            }
+        };
+        Expr { kind, span: s }
     }
 
-    /// Folds `a op b op c` left-associatively.
-    fn fold_binary(&mut self, kids: Vec<P<'_>>, span: Span) -> Expr {
-        let mut it = kids.into_iter();
-        let Some(first) = it.next() else {
+    /// A flat `operand (op operand)*` list, folded by precedence (all operators are
+    /// left-associative). A comparison whose operand is itself an unparenthesised comparison is
+    /// E0105: the language does not chain comparisons.
+    fn bin_expr(&mut self, p: P<'_>) -> Expr {
+        let span = self.span(&p);
+        let mut operands: Vec<Expr> = Vec::new();
+        let mut ops: Vec<(BinaryOp, Span)> = Vec::new();
+        for k in inner(p) {
+            if k.as_rule() == Rule::bin_op {
+                let op = match k.as_str().trim() {
+                    "||" => BinaryOp::Or,
+                    "&&" => BinaryOp::And,
+                    "==" => BinaryOp::Eq,
+                    "!=" => BinaryOp::Ne,
+                    "<" => BinaryOp::Lt,
+                    "<=" => BinaryOp::Le,
+                    ">" => BinaryOp::Gt,
+                    ">=" => BinaryOp::Ge,
+                    "+" => BinaryOp::Add,
+                    "-" => BinaryOp::Sub,
+                    "*" => BinaryOp::Mul,
+                    "/" => BinaryOp::Div,
+                    _ => BinaryOp::Rem,
+                };
+                ops.push((op, self.span(&k)));
+            } else {
+                operands.push(self.expr(k));
+            }
+        }
+        if operands.is_empty() {
             return Expr {
                 kind: ExprKind::Error,
                 span,
             };
-        };
-        let mut e = self.expr(first);
-        while let (Some(op), Some(rhs)) = (it.next(), it.next()) {
-            let op = match op.as_str().trim() {
-                "||" => BinaryOp::Or,
-                "&&" => BinaryOp::And,
-                "==" => BinaryOp::Eq,
-                "!=" => BinaryOp::Ne,
-                "<" => BinaryOp::Lt,
-                "<=" => BinaryOp::Le,
-                ">" => BinaryOp::Gt,
-                ">=" => BinaryOp::Ge,
-                "+" => BinaryOp::Add,
-                "-" => BinaryOp::Sub,
-                "*" => BinaryOp::Mul,
-                "/" => BinaryOp::Div,
-                _ => BinaryOp::Rem,
-            };
-            let rhs = self.expr(rhs);
-            let s = e.span.to(rhs.span);
-            e = Expr {
+        }
+        let mut operands = operands.into_iter();
+        let mut ops = ops.into_iter().peekable();
+        let first = operands.next().unwrap_or(Expr {
+            kind: ExprKind::Error,
+            span,
+        });
+        self.climb(first, &mut operands, &mut ops, 0, &mut Vec::new())
+    }
+
+    fn climb(
+        &mut self,
+        mut lhs: Expr,
+        operands: &mut std::vec::IntoIter<Expr>,
+        ops: &mut std::iter::Peekable<std::vec::IntoIter<(BinaryOp, Span)>>,
+        min_prec: u8,
+        ops_seen: &mut Vec<(Span, Span)>,
+    ) -> Expr {
+        while let Some(&(op, op_span)) = ops.peek() {
+            let prec = op.precedence();
+            if prec < min_prec {
+                break;
+            }
+            ops.next();
+            let mut rhs = operands.next().unwrap_or(Expr {
+                kind: ExprKind::Error,
+                span: op_span,
+            });
+            while let Some(&(next, _)) = ops.peek() {
+                if next.precedence() <= prec {
+                    break;
+                }
+                rhs = self.climb(rhs, operands, ops, prec + 1, ops_seen);
+            }
+            let s = lhs.span.to(rhs.span);
+            if op.is_comparison() {
+                if let Some(first) = comparison_op_span(&lhs, ops_seen) {
+                    self.diags.push(
+                        Diagnostic::new(
+                            Code::E0105,
+                            "comparisons cannot be chained",
+                            op_span,
+                            "second comparison",
+                        )
+                        .with_label(first, "first comparison")
+                        .with_help("join two comparisons with `&&`: `a < b && b < c`"),
+                    );
+                    // The chain's meaning is unknown; typing it would only add a second error.
+                    lhs = Expr {
+                        kind: ExprKind::Error,
+                        span: s,
+                    };
+                    continue;
+                }
+            }
+            ops_seen.push((s, op_span));
+            lhs = Expr {
                 kind: ExprKind::Binary {
                     op,
-                    lhs: Box::new(e),
+                    lhs: Box::new(lhs),
                     rhs: Box::new(rhs),
                 },
                 span: s,
             };
         }
-        e
+        lhs
     }
 }

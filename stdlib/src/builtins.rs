@@ -43,11 +43,19 @@ impl Builtin {
 }
 
 const fn p(name: &'static str, ty: &'static str) -> BuiltinParam {
-    BuiltinParam { name, ty, default: None }
+    BuiltinParam {
+        name,
+        ty,
+        default: None,
+    }
 }
 
 const fn d(name: &'static str, ty: &'static str, default: &'static str) -> BuiltinParam {
-    BuiltinParam { name, ty, default: Some(default) }
+    BuiltinParam {
+        name,
+        ty,
+        default: Some(default),
+    }
 }
 
 /// Every built-in function.
@@ -135,7 +143,12 @@ pub const BUILTINS: &[Builtin] = &[
     Builtin {
         name: "value_loss",
         place: Place::Pipeline,
-        params: &[p("old_v", "PerToken"), p("returns", "PerToken"), d("clip", "float", "0.2"), d("coef", "float", "0.5")],
+        params: &[
+            p("old_v", "PerToken"),
+            p("returns", "PerToken"),
+            d("clip", "float", "0.2"),
+            d("coef", "float", "0.5"),
+        ],
         ret: "Loss",
         doc: "PPO's clipped value loss: coef · max((v - R)², (old_v + clip(v - old_v, ±clip) - R)²), averaged over tokens.",
     },
@@ -157,34 +170,78 @@ pub const BUILTINS: &[Builtin] = &[
     Builtin {
         name: "kl_loss",
         place: Place::Pipeline,
-        params: &[p("ref_logp", "PerToken"), d("coef", "float", "0.01"), d("estimator", "string", "\"k3\"")],
+        params: &[
+            p("ref_logp", "PerToken"),
+            d("coef", "float", "0.01"),
+            d("estimator", "string", "\"k3\""),
+        ],
         ret: "Loss",
         doc: "coef · KL(policy ‖ ref) per token, averaged: KL in the loss rather than in the reward. Add it to another loss: `ppo_loss(…) + kl_loss(ref_logp, 0.01)`.",
     },
     // Math, in fn bodies. Elementwise over per-token values.
-    Builtin { name: "exp", place: Place::Fn, params: &[p("x", "number|PerToken")], ret: "float|PerToken", doc: "e^x." },
-    Builtin { name: "log", place: Place::Fn, params: &[p("x", "number|PerToken")], ret: "float|PerToken", doc: "The natural logarithm." },
-    Builtin { name: "sqrt", place: Place::Fn, params: &[p("x", "number|PerToken")], ret: "float|PerToken", doc: "The square root." },
-    Builtin { name: "abs", place: Place::Fn, params: &[p("x", "number|PerToken")], ret: "number|PerToken", doc: "The absolute value." },
-    Builtin { name: "float", place: Place::Fn, params: &[p("x", "number")], ret: "float", doc: "Converts an int to a float." },
+    Builtin {
+        name: "exp",
+        place: Place::Fn,
+        params: &[p("x", "number|PerToken")],
+        ret: "float|PerToken",
+        doc: "e^x.",
+    },
+    Builtin {
+        name: "log",
+        place: Place::Fn,
+        params: &[p("x", "number|PerToken")],
+        ret: "float|PerToken",
+        doc: "The natural logarithm.",
+    },
+    Builtin {
+        name: "sqrt",
+        place: Place::Fn,
+        params: &[p("x", "number|PerToken")],
+        ret: "float|PerToken",
+        doc: "The square root.",
+    },
+    Builtin {
+        name: "abs",
+        place: Place::Fn,
+        params: &[p("x", "number|PerToken")],
+        ret: "number|PerToken",
+        doc: "The absolute value.",
+    },
+    Builtin {
+        name: "float",
+        place: Place::Fn,
+        params: &[p("x", "number")],
+        ret: "float",
+        doc: "Converts an int to a float.",
+    },
     Builtin {
         name: "clamp",
         place: Place::Fn,
-        params: &[p("x", "number|PerToken"), p("lo", "number"), p("hi", "number")],
+        params: &[
+            p("x", "number|PerToken"),
+            p("lo", "number"),
+            p("hi", "number"),
+        ],
         ret: "number|PerToken",
         doc: "x limited to [lo, hi].",
     },
     Builtin {
         name: "min",
         place: Place::Fn,
-        params: &[p("x", "number|PerToken|PerSample"), d("y", "number|PerToken", "(none)")],
+        params: &[
+            p("x", "number|PerToken|PerSample"),
+            d("y", "number|PerToken", "(none)"),
+        ],
         ret: "number|PerToken",
         doc: "With two arguments, the smaller (elementwise). With one, the smallest element: of a per-token value over the sample's tokens, or, in an `over group`/`over batch` function, over the scope.",
     },
     Builtin {
         name: "max",
         place: Place::Fn,
-        params: &[p("x", "number|PerToken|PerSample"), d("y", "number|PerToken", "(none)")],
+        params: &[
+            p("x", "number|PerToken|PerSample"),
+            d("y", "number|PerToken", "(none)"),
+        ],
         ret: "number|PerToken",
         doc: "With two arguments, the larger (elementwise). With one, the largest element: of a per-token value over the sample's tokens, or, in an `over group`/`over batch` function, over the scope.",
     },
@@ -230,9 +287,27 @@ pub const BUILTINS: &[Builtin] = &[
         ret: "bool",
         doc: "Whether the regular expression matches somewhere in the string. The pattern must be a literal; it is compiled once.",
     },
-    Builtin { name: "contains", place: Place::Fn, params: &[p("s", "string"), p("part", "string")], ret: "bool", doc: "Whether `part` occurs in the string." },
-    Builtin { name: "starts_with", place: Place::Fn, params: &[p("s", "string"), p("prefix", "string")], ret: "bool", doc: "Whether the string starts with `prefix`." },
-    Builtin { name: "ends_with", place: Place::Fn, params: &[p("s", "string"), p("suffix", "string")], ret: "bool", doc: "Whether the string ends with `suffix`." },
+    Builtin {
+        name: "contains",
+        place: Place::Fn,
+        params: &[p("s", "string"), p("part", "string")],
+        ret: "bool",
+        doc: "Whether `part` occurs in the string.",
+    },
+    Builtin {
+        name: "starts_with",
+        place: Place::Fn,
+        params: &[p("s", "string"), p("prefix", "string")],
+        ret: "bool",
+        doc: "Whether the string starts with `prefix`.",
+    },
+    Builtin {
+        name: "ends_with",
+        place: Place::Fn,
+        params: &[p("s", "string"), p("suffix", "string")],
+        ret: "bool",
+        doc: "Whether the string ends with `suffix`.",
+    },
     Builtin {
         name: "answer_matches",
         place: Place::Fn,
@@ -258,15 +333,42 @@ pub struct OptionSpec {
 }
 
 const fn o(key: &'static str, ty: &'static str, doc: &'static str) -> OptionSpec {
-    OptionSpec { key, ty, values: &[], doc }
+    OptionSpec {
+        key,
+        ty,
+        values: &[],
+        doc,
+    }
 }
 
 pub const MODEL_OPTIONS: &[OptionSpec] = &[
-    OptionSpec { key: "dtype", ty: "dtype", values: &["f32", "bf16", "f16"], doc: "Parameter and compute precision. Default: f32 on CPU, bf16 on GPU." },
-    OptionSpec { key: "head", ty: "head", values: &["lm", "value", "score"], doc: "The output head: `lm` (next-token logits, the default), `value` (a critic: a scalar per token), `score` (a reward model: a scalar per sequence)." },
-    o("train", "adamw(...)", "The optimizer, which makes the model trainable: `adamw(lr: 1e-6, weight_decay: 0.0, eps: 1e-8, warmup: 0, schedule: constant|cosine|linear)`. Without it the model is frozen."),
-    o("grad_clip", "float", "Clip the global gradient norm to this value (> 0). The norm is logged every step."),
-    o("max_len", "int", "The longest sequence (prompt plus completion) the model is run on (> 0)."),
+    OptionSpec {
+        key: "dtype",
+        ty: "dtype",
+        values: &["f32", "bf16", "f16"],
+        doc: "Parameter and compute precision. Default: f32 on CPU, bf16 on GPU.",
+    },
+    OptionSpec {
+        key: "head",
+        ty: "head",
+        values: &["lm", "value", "score"],
+        doc: "The output head: `lm` (next-token logits, the default), `value` (a critic: a scalar per token), `score` (a reward model: a scalar per sequence).",
+    },
+    o(
+        "train",
+        "adamw(...)",
+        "The optimizer, which makes the model trainable: `adamw(lr: 1e-6, weight_decay: 0.0, eps: 1e-8, beta1: 0.9, beta2: 0.999, warmup: 0, schedule: constant|cosine|linear)`. Without it the model is frozen.",
+    ),
+    o(
+        "grad_clip",
+        "float",
+        "Clip the global gradient norm to this value (> 0). The norm is logged every step.",
+    ),
+    o(
+        "max_len",
+        "int",
+        "The longest sequence (prompt plus completion) the model is run on (> 0).",
+    ),
 ];
 
 /// Sources of `model` declarations and their parameters.
@@ -304,22 +406,58 @@ pub const MODEL_SOURCES: &[Builtin] = &[
 ];
 
 pub const DATASET_OPTIONS: &[OptionSpec] = &[
-    o("fields", "{ prompt: string, answer: string }", "Which fields of each record hold the prompt and the reference answer."),
-    o("shuffle", "bool", "Shuffle the records (seeded by `seed`) at every epoch."),
+    o(
+        "fields",
+        "{ prompt: string, answer: string }",
+        "Which fields of each record hold the prompt and the reference answer.",
+    ),
+    o(
+        "shuffle",
+        "bool",
+        "Shuffle the records (seeded by `seed`) at every epoch.",
+    ),
     o("seed", "int", "The shuffling seed."),
-    o("chat_template", "bool", "Render each prompt with the policy tokenizer's chat template as a user message."),
-    o("epochs", "int", "How many times the data may be repeated (> 0); the run stops with an error when it runs out."),
+    o(
+        "chat_template",
+        "bool",
+        "Render each prompt with the policy tokenizer's chat template as a user message.",
+    ),
+    o(
+        "epochs",
+        "int",
+        "How many times the data may be repeated (> 0); the run stops with an error when it runs out.",
+    ),
 ];
 
 /// Keys of a dataset's `fields: { … }` record.
 pub const FIELD_OPTIONS: &[OptionSpec] = &[
-    o("prompt", "string", "The record field holding the prompt. Default: \"prompt\"."),
-    o("answer", "string", "The record field holding the reference answer (`s.answer`). Default: \"answer\"."),
+    o(
+        "prompt",
+        "string",
+        "The record field holding the prompt. Default: \"prompt\".",
+    ),
+    o(
+        "answer",
+        "string",
+        "The record field holding the reference answer (`s.answer`). Default: \"answer\".",
+    ),
 ];
 
 pub const DATASET_SOURCES: &[Builtin] = &[
-    Builtin { name: "jsonl", place: Place::Pipeline, params: &[p("path", "string")], ret: "Dataset", doc: "One JSON object per line, relative to this file." },
-    Builtin { name: "parquet", place: Place::Pipeline, params: &[p("path", "string")], ret: "Dataset", doc: "A Parquet file, relative to this file." },
+    Builtin {
+        name: "jsonl",
+        place: Place::Pipeline,
+        params: &[p("path", "string")],
+        ret: "Dataset",
+        doc: "One JSON object per line, relative to this file.",
+    },
+    Builtin {
+        name: "parquet",
+        place: Place::Pipeline,
+        params: &[p("path", "string")],
+        ret: "Dataset",
+        doc: "A Parquet file, relative to this file.",
+    },
     Builtin {
         name: "synthetic::letters",
         place: Place::Pipeline,
@@ -330,7 +468,11 @@ pub const DATASET_SOURCES: &[Builtin] = &[
     Builtin {
         name: "synthetic::arithmetic",
         place: Place::Pipeline,
-        params: &[d("count", "int", "256"), d("seed", "int", "0"), d("digits", "int", "2")],
+        params: &[
+            d("count", "int", "256"),
+            d("seed", "int", "0"),
+            d("digits", "int", "2"),
+        ],
         ret: "Dataset",
         doc: "Generated addition problems `a + b =` with their answers, for demos of answer-matching rewards.",
     },
@@ -338,8 +480,17 @@ pub const DATASET_SOURCES: &[Builtin] = &[
 
 pub const CLUSTER_OPTIONS: &[OptionSpec] = &[
     o("gpus", "int", "GPUs in all (> 0)."),
-    OptionSpec { key: "gpu", ty: "string", values: DEVICES, doc: "The GPU type." },
-    o("nodes", "int", "Machines the GPUs are spread over (> 0; divides `gpus`)."),
+    OptionSpec {
+        key: "gpu",
+        ty: "string",
+        values: DEVICES,
+        doc: "The GPU type.",
+    },
+    o(
+        "nodes",
+        "int",
+        "Machines the GPUs are spread over (> 0; divides `gpus`).",
+    ),
     o("cpu", "bool", "Plan for this machine's CPU."),
 ];
 
@@ -348,16 +499,32 @@ pub const DEVICES: &[&str] = &["H100-80G", "H100", "H200", "H800", "A100-80G"];
 
 /// Settings every `run` accepts besides its pipeline's `param`s.
 pub const RUN_SETTINGS: &[OptionSpec] = &[
-    o("seed", "int", "The seed of the run: sampling, shuffling and initialisation. Default 0."),
-    o("checkpoint_every", "int", "Write a checkpoint every this many steps (> 0), and always at the end. Default 50."),
+    o(
+        "seed",
+        "int",
+        "The seed of the run: sampling, shuffling and initialisation. Default 0.",
+    ),
+    o(
+        "checkpoint_every",
+        "int",
+        "Write a checkpoint every this many steps (> 0), and always at the end. Default 50.",
+    ),
 ];
 
 /// Fields of a `Sample` in a `fn` body.
 pub const SAMPLE_FIELDS: &[OptionSpec] = &[
     o("prompt", "string", "The prompt text."),
     o("completion", "string", "The generated text."),
-    o("answer", "string", "The reference answer from the dataset (\"\" when it has none)."),
+    o(
+        "answer",
+        "string",
+        "The reference answer from the dataset (\"\" when it has none).",
+    ),
     o("length", "int", "The number of completion tokens."),
-    o("group", "int", "The index of the sample's prompt in the batch (samples of one prompt form a group)."),
+    o(
+        "group",
+        "int",
+        "The index of the sample's prompt in the batch (samples of one prompt form a group).",
+    ),
     o("tokens", "PerToken", "The completion's token ids."),
 ];

@@ -6,8 +6,9 @@
 mod builtins;
 
 pub use builtins::{
-    builtin, Builtin, BuiltinParam, Place, OptionSpec, BUILTINS, CLUSTER_OPTIONS, DATASET_OPTIONS,
-    DATASET_SOURCES, DEVICES, FIELD_OPTIONS, MODEL_OPTIONS, MODEL_SOURCES, RUN_SETTINGS, SAMPLE_FIELDS,
+    BUILTINS, Builtin, BuiltinParam, CLUSTER_OPTIONS, DATASET_OPTIONS, DATASET_SOURCES, DEVICES,
+    FIELD_OPTIONS, MODEL_OPTIONS, MODEL_SOURCES, OptionSpec, Place, RUN_SETTINGS, SAMPLE_FIELDS,
+    builtin,
 };
 
 /// A standard-library module: `use std::NAME`.
@@ -19,14 +20,38 @@ pub struct Module {
 
 /// Every module, in name order.
 pub const MODULES: &[Module] = &[
-    Module { name: "advantages", source: include_str!("../std/advantages.rlhf") },
-    Module { name: "grpo", source: include_str!("../std/grpo.rlhf") },
-    Module { name: "kl", source: include_str!("../std/kl.rlhf") },
-    Module { name: "ppo", source: include_str!("../std/ppo.rlhf") },
-    Module { name: "reinforce_pp", source: include_str!("../std/reinforce_pp.rlhf") },
-    Module { name: "remax", source: include_str!("../std/remax.rlhf") },
-    Module { name: "rewards", source: include_str!("../std/rewards.rlhf") },
-    Module { name: "rloo", source: include_str!("../std/rloo.rlhf") },
+    Module {
+        name: "advantages",
+        source: include_str!("../std/advantages.rlhf"),
+    },
+    Module {
+        name: "grpo",
+        source: include_str!("../std/grpo.rlhf"),
+    },
+    Module {
+        name: "kl",
+        source: include_str!("../std/kl.rlhf"),
+    },
+    Module {
+        name: "ppo",
+        source: include_str!("../std/ppo.rlhf"),
+    },
+    Module {
+        name: "reinforce_pp",
+        source: include_str!("../std/reinforce_pp.rlhf"),
+    },
+    Module {
+        name: "remax",
+        source: include_str!("../std/remax.rlhf"),
+    },
+    Module {
+        name: "rewards",
+        source: include_str!("../std/rewards.rlhf"),
+    },
+    Module {
+        name: "rloo",
+        source: include_str!("../std/rloo.rlhf"),
+    },
 ];
 
 /// The source of `std::NAME`.
@@ -48,7 +73,14 @@ mod tests {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("std");
         let mut on_disk: Vec<String> = std::fs::read_dir(dir)
             .unwrap()
-            .map(|e| e.unwrap().path().file_stem().unwrap().to_string_lossy().into_owned())
+            .map(|e| {
+                e.unwrap()
+                    .path()
+                    .file_stem()
+                    .unwrap()
+                    .to_string_lossy()
+                    .into_owned()
+            })
             .collect();
         on_disk.sort();
         let embedded: Vec<&str> = MODULES.iter().map(|m| m.name).collect();

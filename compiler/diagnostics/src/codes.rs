@@ -92,7 +92,7 @@ codes! {
     E0404 => "where-violated", Error, "a run setting violates its parameter's `where` condition";
     E0405 => "unknown-setting", Error, "a run setting matches no parameter of the pipeline";
     E0406 => "missing-setting", Error, "a pipeline parameter without default is not set";
-    E0407 => "model-call-outside-pipeline", Error, "a model call appears inside a `fn`";
+    E0407 => "model-call-outside-pipeline", Error, "a model call or built-in is used where it does not belong (e.g. inside a `fn`)";
     E0408 => "run-not-pipeline", Error, "`run` names something that is not a pipeline";
     E0409 => "control-flow-in-pipeline", Error, "a pipeline body uses `if` or `scan`";
     E0410 => "head-mismatch", Error, "a model call needs a different head than the model has";

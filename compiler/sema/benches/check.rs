@@ -60,24 +60,36 @@ pipeline algo_{i}(policy: Model, prompts: Dataset, critic: Model) {{
 fn main() {
     let text = generate(10_000);
     let lines = text.lines().count();
+    // BRAID_BENCH_RUNS=1 gives one run, for instruction counts under valgrind.
+    let runs: usize = std::env::var("BRAID_BENCH_RUNS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(30);
     let mut times = Vec::new();
-    for _ in 0..30 {
+    for _ in 0..runs {
         let start = Instant::now();
         let checked = braid_sema::check("bench.rlhf", &text, &braid_sema::NoImports);
         times.push(start.elapsed().as_secs_f64() * 1e3);
         assert!(!checked.has_errors(), "{:?}", checked.diagnostics.first());
     }
     let mut parse_times = Vec::new();
-    for _ in 0..10 {
+    for _ in 0..runs.min(10) {
         let start = Instant::now();
         let (_, d) = braid_syntax::parse(&text, braid_diagnostics::FileId(0));
         parse_times.push(start.elapsed().as_secs_f64() * 1e3);
         assert!(d.is_empty());
     }
     parse_times.sort_by(f64::total_cmp);
-    println!("parse alone: median {:.1} ms", parse_times[parse_times.len() / 2]);
+    println!(
+        "parse alone: median {:.1} ms",
+        parse_times[parse_times.len() / 2]
+    );
     times.sort_by(f64::total_cmp);
     let median = times[times.len() / 2];
     let p90 = times[times.len() * 9 / 10];
-    println!("braid check, {lines} lines ({} bytes): median {median:.1} ms, p90 {p90:.1} ms over {} runs", text.len(), times.len());
+    println!(
+        "braid check, {lines} lines ({} bytes): median {median:.1} ms, p90 {p90:.1} ms over {} runs",
+        text.len(),
+        times.len()
+    );
 }

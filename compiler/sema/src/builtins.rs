@@ -6,7 +6,7 @@ use braid_diagnostics::{Code, Diagnostic, Span};
 use braid_stdlib::Builtin;
 use braid_syntax::ast;
 
-use crate::check::{mk, BodyCx, Checker, Place};
+use crate::check::{BodyCx, Checker, Place, mk};
 use crate::hir::*;
 
 /// A parameter's default, from the table's source text, as a literal at the call.
@@ -36,13 +36,26 @@ fn value_ty(v: &Value) -> Ty {
 }
 
 /// Checks the bound arguments, filling defaults; `None` for an absent argument without default.
-fn args(ch: &mut Checker<'_>, cx: &mut BodyCx, b: &Builtin, bound: &[Option<&ast::Expr>], span: Span) -> Vec<Option<Expr>> {
+fn args(
+    ch: &mut Checker<'_>,
+    cx: &mut BodyCx,
+    b: &Builtin,
+    bound: &[Option<&ast::Expr>],
+    span: Span,
+) -> Vec<Option<Expr>> {
     b.params
         .iter()
         .zip(bound)
         .map(|(p, a)| match a {
             Some(e) => Some(ch.expr(cx, e)),
-            None => p.default.and_then(default_value).map(|v| mk(ExprKind::Lit(v.clone()), value_ty(&v), Granularity::Scalar, span)),
+            None => p.default.and_then(default_value).map(|v| {
+                mk(
+                    ExprKind::Lit(v.clone()),
+                    value_ty(&v),
+                    Granularity::Scalar,
+                    span,
+                )
+            }),
         })
         .collect()
 }
@@ -50,7 +63,10 @@ fn args(ch: &mut Checker<'_>, cx: &mut BodyCx, b: &Builtin, bound: &[Option<&ast
 fn wrong_arg(name: &str, param: &str, want: &str, got: &Expr) -> Diagnostic {
     Diagnostic::new(
         Code::E0301,
-        format!("argument `{param}` of `{name}` must be {want}, not {}", got.ty.describe()),
+        format!(
+            "argument `{param}` of `{name}` must be {want}, not {}",
+            got.ty.describe()
+        ),
         got.span,
         format!("expected {want}"),
     )
@@ -60,17 +76,49 @@ fn wrong_arg(name: &str, param: &str, want: &str, got: &Expr) -> Diagnostic {
     })
 }
 
-fn finish(b: &Builtin, mut out: Vec<Option<Expr>>, callee: Callee, ty: Ty, gran: Granularity, span: Span) -> Expr {
+fn finish(
+    b: &Builtin,
+    mut out: Vec<Option<Expr>>,
+    callee: Callee,
+    ty: Ty,
+    gran: Granularity,
+    span: Span,
+) -> Expr {
     let _ = b;
     let args: Vec<Expr> = out.drain(..).flatten().collect();
-    mk(ExprKind::Call { callee, args, mapped: false }, ty, gran, span)
+    mk(
+        ExprKind::Call {
+            callee,
+            args,
+            mapped: false,
+        },
+        ty,
+        gran,
+        span,
+    )
 }
 
 /// Built-ins of pipeline bodies: model calls, `next`, `by_prompt`, losses.
-pub(crate) fn pipeline_builtin(ch: &mut Checker<'_>, cx: &mut BodyCx, b: &'static Builtin, bound: &[Option<&ast::Expr>], span: Span) -> Expr {
+pub(crate) fn pipeline_builtin(
+    ch: &mut Checker<'_>,
+    cx: &mut BodyCx,
+    b: &'static Builtin,
+    bound: &[Option<&ast::Expr>],
+    span: Span,
+) -> Expr {
     let out = args(ch, cx, b, bound, span);
-    let gran = out.iter().flatten().map(|e| e.gran).max().unwrap_or(Granularity::Scalar);
-    if out.iter().flatten().any(|e| e.ty.is_error()) || out.iter().zip(b.params).any(|(a, p)| a.is_none() && p.default.is_none()) {
+    let gran = out
+        .iter()
+        .flatten()
+        .map(|e| e.gran)
+        .max()
+        .unwrap_or(Granularity::Scalar);
+    if out.iter().flatten().any(|e| e.ty.is_error())
+        || out
+            .iter()
+            .zip(b.params)
+            .any(|(a, p)| a.is_none() && p.default.is_none())
+    {
         return finish(b, out, Callee::Builtin(b.name), Ty::Error, gran, span);
     }
     // Type each argument against the table; rollout-valued arguments must share one rollout.
@@ -86,14 +134,26 @@ pub(crate) fn pipeline_builtin(ch: &mut Checker<'_>, cx: &mut BodyCx, b: &'stati
                 }
                 true
             }
-            ("Dataset", Ty::Dataset) | ("PromptBatch", Ty::PromptBatch(_)) | ("Loss", Ty::Loss(_)) => true,
-            ("int", Ty::Int) | ("float", Ty::Int | Ty::Float) | ("bool", Ty::Bool) | ("string", Ty::Str) => true,
-            ("Rollout", Ty::Rollout(..)) | ("PerToken", Ty::PerToken(_)) | ("PerSample", Ty::PerSample(_)) => true,
+            ("Dataset", Ty::Dataset)
+            | ("PromptBatch", Ty::PromptBatch(_))
+            | ("Loss", Ty::Loss(_)) => true,
+            ("int", Ty::Int)
+            | ("float", Ty::Int | Ty::Float)
+            | ("bool", Ty::Bool)
+            | ("string", Ty::Str) => true,
+            ("Rollout", Ty::Rollout(..))
+            | ("PerToken", Ty::PerToken(_))
+            | ("PerSample", Ty::PerSample(_)) => true,
             ("PerToken|PerSample", Ty::PerToken(_) | Ty::PerSample(_)) => true,
             _ => false,
         };
         if !accepted {
-            ch.report(wrong_arg(b.name, p.name, p.ty.replace('|', " or ").as_str(), a));
+            ch.report(wrong_arg(
+                b.name,
+                p.name,
+                p.ty.replace('|', " or ").as_str(),
+                a,
+            ));
             ok = false;
             continue;
         }
@@ -133,8 +193,14 @@ pub(crate) fn pipeline_builtin(ch: &mut Checker<'_>, cx: &mut BodyCx, b: &'stati
             let rid = ch.new_rollout(cx, batch, span);
             (Ty::Rollout(rid, batch), Granularity::PerSample)
         }
-        "logprobs" | "values" => (r.map_or(Ty::Error, Ty::PerToken), Granularity::PerSample.max(gran)),
-        "score" => (r.map_or(Ty::Error, Ty::PerSample), Granularity::PerSample.max(gran)),
+        "logprobs" | "values" => (
+            r.map_or(Ty::Error, Ty::PerToken),
+            Granularity::PerSample.max(gran),
+        ),
+        "score" => (
+            r.map_or(Ty::Error, Ty::PerSample),
+            Granularity::PerSample.max(gran),
+        ),
         "train" => {
             // The loss must be computed on the rollout being trained on; the loop above already
             // compared the rollout argument with the loss's rollout.
@@ -151,9 +217,18 @@ pub(crate) fn pipeline_builtin(ch: &mut Checker<'_>, cx: &mut BodyCx, b: &'stati
     finish(b, out, callee, ty, gran, span)
 }
 
-fn by_prompt(ch: &mut Checker<'_>, cx: &mut BodyCx, out: &[Option<Expr>], span: Span) -> (Ty, Granularity) {
-    let (Some(Some(value)), Some(Some(like))) = (out.first(), out.get(1)) else { return (Ty::Error, Granularity::PerGroup) };
-    let (Ty::PerSample(from), Ty::Rollout(to, to_batch)) = (&value.ty, &like.ty) else { return (Ty::Error, Granularity::PerGroup) };
+fn by_prompt(
+    ch: &mut Checker<'_>,
+    cx: &mut BodyCx,
+    out: &[Option<Expr>],
+    span: Span,
+) -> (Ty, Granularity) {
+    let (Some(Some(value)), Some(Some(like))) = (out.first(), out.get(1)) else {
+        return (Ty::Error, Granularity::PerGroup);
+    };
+    let (Ty::PerSample(from), Ty::Rollout(to, to_batch)) = (&value.ty, &like.ty) else {
+        return (Ty::Error, Granularity::PerGroup);
+    };
     let from_batch = ch.rollout_batch(cx, *from);
     if from_batch != Some(*to_batch) {
         let d = Diagnostic::new(
@@ -173,29 +248,62 @@ fn by_prompt(ch: &mut Checker<'_>, cx: &mut BodyCx, out: &[Option<Expr>], span: 
 
 /// A string argument with a fixed set of values, checked when it is a literal (settings are
 /// checked by their `where` conditions).
-fn check_enum_arg(ch: &mut Checker<'_>, b: &Builtin, out: &[Option<Expr>], param: &str, allowed: &[&str]) {
-    let Some(i) = b.params.iter().position(|p| p.name == param) else { return };
+fn check_enum_arg(
+    ch: &mut Checker<'_>,
+    b: &Builtin,
+    out: &[Option<Expr>],
+    param: &str,
+    allowed: &[&str],
+) {
+    let Some(i) = b.params.iter().position(|p| p.name == param) else {
+        return;
+    };
     let Some(Some(a)) = out.get(i) else { return };
     if let ExprKind::Lit(Value::Str(s)) = &a.kind {
         if !allowed.contains(&s.as_str()) && !a.span.is_dummy() {
-            let list = allowed.iter().map(|x| format!("\"{x}\"")).collect::<Vec<_>>().join(", ");
+            let list = allowed
+                .iter()
+                .map(|x| format!("\"{x}\""))
+                .collect::<Vec<_>>()
+                .join(", ");
             ch.report(
-                Diagnostic::new(Code::E0308, format!("`{param}` of `{}` cannot be \"{s}\"", b.name), a.span, "not an accepted value")
-                    .with_help(format!("`{param}` is one of {list}")),
+                Diagnostic::new(
+                    Code::E0308,
+                    format!("`{param}` of `{}` cannot be \"{s}\"", b.name),
+                    a.span,
+                    "not an accepted value",
+                )
+                .with_help(format!("`{param}` is one of {list}")),
             );
         }
     }
 }
 
 /// Built-ins of `fn` bodies: math, reductions, strings and regexes.
-pub(crate) fn fn_builtin(ch: &mut Checker<'_>, cx: &mut BodyCx, b: &'static Builtin, bound: &[Option<&ast::Expr>], span: Span) -> Expr {
+pub(crate) fn fn_builtin(
+    ch: &mut Checker<'_>,
+    cx: &mut BodyCx,
+    b: &'static Builtin,
+    bound: &[Option<&ast::Expr>],
+    span: Span,
+) -> Expr {
     let out = args(ch, cx, b, bound, span);
     let scope = match cx.place {
         Place::Fn { scope, .. } => scope,
         _ => Scope::Sample,
     };
-    let mut gran = out.iter().flatten().map(|e| e.gran).max().unwrap_or(Granularity::Scalar);
-    if out.iter().flatten().any(|e| e.ty.is_error()) || out.iter().zip(b.params).any(|(a, p)| a.is_none() && p.default.is_none()) {
+    let mut gran = out
+        .iter()
+        .flatten()
+        .map(|e| e.gran)
+        .max()
+        .unwrap_or(Granularity::Scalar);
+    if out.iter().flatten().any(|e| e.ty.is_error())
+        || out
+            .iter()
+            .zip(b.params)
+            .any(|(a, p)| a.is_none() && p.default.is_none())
+    {
         return finish(b, out, Callee::Builtin(b.name), Ty::Error, gran, span);
     }
     let arg = |i: usize| out.get(i).and_then(|a| a.as_ref());
@@ -236,7 +344,9 @@ pub(crate) fn fn_builtin(ch: &mut Checker<'_>, cx: &mut BodyCx, b: &'static Buil
         "min" | "max" if arg(1).is_some() => match (arg(0).map(|a| &a.ty), arg(1).map(|a| &a.ty)) {
             (Some(Ty::Int), Some(Ty::Int)) => Ty::Int,
             (Some(a), Some(c)) if num(a) && num(c) => Ty::Float,
-            (Some(a), Some(c)) if (num(a) || *a == Ty::Tokens) && (num(c) || *c == Ty::Tokens) => Ty::Tokens,
+            (Some(a), Some(c)) if (num(a) || *a == Ty::Tokens) && (num(c) || *c == Ty::Tokens) => {
+                Ty::Tokens
+            }
             (Some(a), _) if !(num(a) || *a == Ty::Tokens) => {
                 bad = Some((0, "a number or PerToken"));
                 Ty::Error
@@ -277,8 +387,13 @@ pub(crate) fn fn_builtin(ch: &mut Checker<'_>, cx: &mut BodyCx, b: &'static Buil
             }
             (Some(Ty::Str), None) => {
                 ch.report(
-                    Diagnostic::new(Code::E0302, "`count` of a string needs a pattern", span, "pattern missing")
-                        .with_help("count matches of a regex: `count(s.completion, r\"[aeiou]\")`"),
+                    Diagnostic::new(
+                        Code::E0302,
+                        "`count` of a string needs a pattern",
+                        span,
+                        "pattern missing",
+                    )
+                    .with_help("count matches of a regex: `count(s.completion, r\"[aeiou]\")`"),
                 );
                 Ty::Error
             }
@@ -314,7 +429,11 @@ pub(crate) fn fn_builtin(ch: &mut Checker<'_>, cx: &mut BodyCx, b: &'static Buil
         }
         return finish(b, out, Callee::Builtin(b.name), Ty::Error, gran, span);
     }
-    let gran = if matches!(cx.place, Place::Fn { .. }) { gran.max(Granularity::Scalar) } else { gran };
+    let gran = if matches!(cx.place, Place::Fn { .. }) {
+        gran.max(Granularity::Scalar)
+    } else {
+        gran
+    };
     finish(b, out, Callee::Builtin(b.name), ty, gran, span)
 }
 
@@ -332,7 +451,13 @@ fn regex_literal(ch: &mut Checker<'_>, name: &str, e: Option<&ast::Expr>) -> boo
         Ok(_) => true,
         Err(why) => {
             let msg = why.to_string();
-            let last = msg.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("invalid").trim().to_string();
+            let last = msg
+                .lines()
+                .rev()
+                .find(|l| !l.trim().is_empty())
+                .unwrap_or("invalid")
+                .trim()
+                .to_string();
             ch.report(
                 Diagnostic::new(Code::E0314, format!("invalid regular expression: {last}"), s.span, "does not compile")
                     .with_help("patterns use Rust `regex` syntax; escape special characters with `\\` inside a raw string `r\"…\"`"),

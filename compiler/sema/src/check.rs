@@ -60,7 +60,14 @@ impl BodyCx {
     }
 
     /// Adds a local whose values are complete at `gran` (lets take their value's).
-    pub fn add_local_gran(&mut self, name: &str, kind: LocalKind, ty: Ty, gran: Granularity, span: Span) -> LocalId {
+    pub fn add_local_gran(
+        &mut self,
+        name: &str,
+        kind: LocalKind,
+        ty: Ty,
+        gran: Granularity,
+        span: Span,
+    ) -> LocalId {
         let id = self.add_local(name, kind, ty, span);
         self.locals[id.0 as usize].gran = gran;
         id
@@ -68,7 +75,14 @@ impl BodyCx {
 
     pub fn add_local(&mut self, name: &str, kind: LocalKind, ty: Ty, span: Span) -> LocalId {
         let id = LocalId(self.locals.len() as u32);
-        self.locals.push(Local { name: name.to_string(), kind, ty, gran: Granularity::Scalar, span, uses: 0 });
+        self.locals.push(Local {
+            name: name.to_string(),
+            kind,
+            ty,
+            gran: Granularity::Scalar,
+            span,
+            uses: 0,
+        });
         if let Some(s) = self.scopes.last_mut() {
             s.push((name.to_string(), id));
         }
@@ -76,7 +90,10 @@ impl BodyCx {
     }
 
     fn lookup(&self, name: &str) -> Option<LocalId> {
-        self.scopes.iter().rev().find_map(|s| s.iter().rev().find(|(n, _)| n == name).map(|(_, id)| *id))
+        self.scopes
+            .iter()
+            .rev()
+            .find_map(|s| s.iter().rev().find(|(n, _)| n == name).map(|(_, id)| *id))
     }
 
     fn push(&mut self) {
@@ -119,7 +136,12 @@ fn err(code: Code, msg: impl Into<String>, span: Span, label: impl Into<String>)
 }
 
 pub(crate) fn mk(kind: ExprKind, ty: Ty, gran: Granularity, span: Span) -> Expr {
-    Expr { kind, ty, gran, span }
+    Expr {
+        kind,
+        ty,
+        gran,
+        span,
+    }
 }
 
 fn error_expr(span: Span) -> Expr {
@@ -133,12 +155,23 @@ struct ParamSpec {
 }
 
 impl<'a> Checker<'a> {
-    pub fn report(&mut self, d: Diagnostic) {
+    pub fn report(&mut self, mut d: Diagnostic) {
+        // Messages are built as "a {type}"; types and heads starting with a vowel sound take
+        // "an" ("an int", "an `lm` head").
+        d.message = articles(&d.message);
+        for l in &mut d.labels {
+            l.message = articles(&l.message);
+        }
+        d.help = d.help.map(|h| articles(&h));
         self.diags.push(d);
     }
 
     fn reference(&mut self, span: Span, def: Def, def_span: Span) {
-        self.program.references.push(Reference { span, def, def_span });
+        self.program.references.push(Reference {
+            span,
+            def,
+            def_span,
+        });
     }
 
     // ------------------------------------------------------------------------------------------
@@ -149,9 +182,17 @@ impl<'a> Checker<'a> {
             ast::TypeExpr::Named(id) => match SigTy::from_name(&id.name) {
                 Some(t) => t,
                 None => {
-                    let mut d = err(Code::E0315, format!("unknown type `{}`", id.name), id.span, "not a type");
+                    let mut d = err(
+                        Code::E0315,
+                        format!("unknown type `{}`", id.name),
+                        id.span,
+                        "not a type",
+                    );
                     d = d.with_help(match suggest(&id.name, SigTy::NAMES.iter().copied()) {
-                        Some(s) => format!("did you mean `{s}`? The types are {}", SigTy::NAMES.join(", ")),
+                        Some(s) => format!(
+                            "did you mean `{s}`? The types are {}",
+                            SigTy::NAMES.join(", ")
+                        ),
                         None => format!("the types are {}", SigTy::NAMES.join(", ")),
                     });
                     self.report(d);
@@ -172,10 +213,30 @@ impl<'a> Checker<'a> {
     pub fn expr(&mut self, cx: &mut BodyCx, e: &ast::Expr) -> Expr {
         let span = e.span;
         match &e.kind {
-            ast::ExprKind::Int(i) => mk(ExprKind::Lit(Value::Int(*i)), Ty::Int, Granularity::Scalar, span),
-            ast::ExprKind::Float(f) => mk(ExprKind::Lit(Value::Float(*f)), Ty::Float, Granularity::Scalar, span),
-            ast::ExprKind::Bool(b) => mk(ExprKind::Lit(Value::Bool(*b)), Ty::Bool, Granularity::Scalar, span),
-            ast::ExprKind::Str(s) => mk(ExprKind::Lit(Value::Str(s.value.clone())), Ty::Str, Granularity::Scalar, span),
+            ast::ExprKind::Int(i) => mk(
+                ExprKind::Lit(Value::Int(*i)),
+                Ty::Int,
+                Granularity::Scalar,
+                span,
+            ),
+            ast::ExprKind::Float(f) => mk(
+                ExprKind::Lit(Value::Float(*f)),
+                Ty::Float,
+                Granularity::Scalar,
+                span,
+            ),
+            ast::ExprKind::Bool(b) => mk(
+                ExprKind::Lit(Value::Bool(*b)),
+                Ty::Bool,
+                Granularity::Scalar,
+                span,
+            ),
+            ast::ExprKind::Str(s) => mk(
+                ExprKind::Lit(Value::Str(s.value.clone())),
+                Ty::Str,
+                Granularity::Scalar,
+                span,
+            ),
             ast::ExprKind::Paren(inner) => {
                 let mut x = self.expr(cx, inner);
                 x.span = span;
@@ -214,13 +275,22 @@ impl<'a> Checker<'a> {
         let mut lets = Vec::new();
         for l in &b.lets {
             let v = self.expr(cx, &l.value);
-            let id = cx.add_local_gran(&l.name.name, LocalKind::Let, v.ty.clone(), v.gran, l.name.span);
+            let id = cx.add_local_gran(
+                &l.name.name,
+                LocalKind::Let,
+                v.ty.clone(),
+                v.gran,
+                l.name.span,
+            );
             lets.push((id, v));
         }
         let value = self.expr(cx, &b.value);
         self.unused_lets(cx, &lets);
         cx.pop();
-        Body { lets, value: Box::new(value) }
+        Body {
+            lets,
+            value: Box::new(value),
+        }
     }
 
     pub fn unused_lets(&mut self, cx: &BodyCx, lets: &[(LocalId, Expr)]) {
@@ -228,8 +298,16 @@ impl<'a> Checker<'a> {
             let l = &cx.locals[id.0 as usize];
             if l.uses == 0 && !l.name.starts_with('_') {
                 self.report(
-                    err(Code::W0001, format!("`{}` is never used", l.name), l.span, "bound here")
-                        .with_help(format!("remove the binding, or name it `_{}` to keep it", l.name)),
+                    err(
+                        Code::W0001,
+                        format!("`{}` is never used", l.name),
+                        l.span,
+                        "bound here",
+                    )
+                    .with_help(format!(
+                        "remove the binding, or name it `_{}` to keep it",
+                        l.name
+                    )),
                 );
             }
         }
@@ -239,8 +317,15 @@ impl<'a> Checker<'a> {
         let span = p.span;
         let Some(id) = p.as_single() else {
             self.report(
-                err(Code::E0201, format!("unknown name `{}`", p.text()), span, "not defined")
-                    .with_help("paths with `::` name standard-library modules in `use`, and dataset sources"),
+                err(
+                    Code::E0201,
+                    format!("unknown name `{}`", p.text()),
+                    span,
+                    "not defined",
+                )
+                .with_help(
+                    "paths with `::` name standard-library modules in `use`, and dataset sources",
+                ),
             );
             return error_expr(span);
         };
@@ -271,13 +356,22 @@ impl<'a> Checker<'a> {
             }
             return mk(ExprKind::Ref(g.def), ty, Granularity::Scalar, span);
         }
-        let mut candidates: Vec<String> = cx.scopes.iter().flatten().map(|(n, _)| n.clone()).collect();
+        let mut candidates: Vec<String> =
+            cx.scopes.iter().flatten().map(|(n, _)| n.clone()).collect();
         candidates.extend(self.scopes[cx.module].keys().cloned());
         let help = match suggest(&id.name, candidates.iter().map(|s| s.as_str())) {
             Some(s) => format!("did you mean `{s}`?"),
             None => "define it with `let`, as a parameter, or import it with `use`".to_string(),
         };
-        self.report(err(Code::E0201, format!("unknown name `{}`", id.name), span, "not defined").with_help(help));
+        self.report(
+            err(
+                Code::E0201,
+                format!("unknown name `{}`", id.name),
+                span,
+                "not defined",
+            )
+            .with_help(help),
+        );
         error_expr(span)
     }
 
@@ -307,11 +401,27 @@ impl<'a> Checker<'a> {
                     Some(s) => format!("did you mean `.{s}`?"),
                     None => "a `Sample` has `.prompt`, `.completion`, `.answer`, `.length`, `.group` and `.tokens`".into(),
                 };
-                self.report(err(Code::E0206, format!("`Sample` has no field `{other}`"), name.span, "no such field").with_help(help));
+                self.report(
+                    err(
+                        Code::E0206,
+                        format!("`Sample` has no field `{other}`"),
+                        name.span,
+                        "no such field",
+                    )
+                    .with_help(help),
+                );
                 return error_expr(span);
             }
         };
-        mk(ExprKind::Field { base: Box::new(b), field }, ty, Granularity::PerSample, span)
+        mk(
+            ExprKind::Field {
+                base: Box::new(b),
+                field,
+            },
+            ty,
+            Granularity::PerSample,
+            span,
+        )
     }
 
     fn index(&mut self, cx: &mut BodyCx, base: &ast::Expr, index: &ast::Expr, span: Span) -> Expr {
@@ -322,39 +432,91 @@ impl<'a> Checker<'a> {
         }
         if b.ty != Ty::Tokens {
             self.report(
-                err(Code::E0310, format!("cannot index a {}", b.ty.describe()), b.span, format!("this is a {}", b.ty.describe()))
-                    .with_help("inside a `fn`, index a per-token parameter by token: `x[t]`"),
+                err(
+                    Code::E0310,
+                    format!("cannot index a {}", b.ty.describe()),
+                    b.span,
+                    format!("this is a {}", b.ty.describe()),
+                )
+                .with_help("inside a `fn`, index a per-token parameter by token: `x[t]`"),
             );
             return error_expr(span);
         }
         if i.ty != Ty::Int {
             self.report(
-                err(Code::E0310, format!("a token index must be an int, not a {}", i.ty.describe()), i.span, "not an int")
-                    .with_help("index with the scan variable or an int expression such as `t + 1`"),
+                err(
+                    Code::E0310,
+                    format!("a token index must be an int, not a {}", i.ty.describe()),
+                    i.span,
+                    "not an int",
+                )
+                .with_help("index with the scan variable or an int expression such as `t + 1`"),
             );
             return error_expr(span);
         }
-        mk(ExprKind::Index { base: Box::new(b), index: Box::new(i) }, Ty::Float, Granularity::PerSample, span)
+        mk(
+            ExprKind::Index {
+                base: Box::new(b),
+                index: Box::new(i),
+            },
+            Ty::Float,
+            Granularity::PerSample,
+            span,
+        )
     }
 
-    fn unary(&mut self, cx: &mut BodyCx, op: ast::UnaryOp, operand: &ast::Expr, span: Span) -> Expr {
+    fn unary(
+        &mut self,
+        cx: &mut BodyCx,
+        op: ast::UnaryOp,
+        operand: &ast::Expr,
+        span: Span,
+    ) -> Expr {
         let x = self.expr(cx, operand);
         let gran = x.gran;
         let ty = match (op, &x.ty) {
             (_, Ty::Error) => Ty::Error,
-            (ast::UnaryOp::Neg, Ty::Int | Ty::Float | Ty::Tokens | Ty::PerToken(_) | Ty::PerSample(_)) => x.ty.clone(),
+            (
+                ast::UnaryOp::Neg,
+                Ty::Int | Ty::Float | Ty::Tokens | Ty::PerToken(_) | Ty::PerSample(_),
+            ) => x.ty.clone(),
             (ast::UnaryOp::Not, Ty::Bool) => Ty::Bool,
             _ => {
-                let (sym, want) = if op == ast::UnaryOp::Neg { ("-", "a number") } else { ("!", "a bool") };
+                let (sym, want) = if op == ast::UnaryOp::Neg {
+                    ("-", "a number")
+                } else {
+                    ("!", "a bool")
+                };
                 self.report(
-                    err(Code::E0306, format!("`{sym}` does not apply to a {}", x.ty.describe()), x.span, format!("expected {want}"))
-                        .with_help(if op == ast::UnaryOp::Neg { "negate a number or a per-token value" } else { "`!` negates a bool" }),
+                    err(
+                        Code::E0306,
+                        format!("`{sym}` does not apply to a {}", x.ty.describe()),
+                        x.span,
+                        format!("expected {want}"),
+                    )
+                    .with_help(if op == ast::UnaryOp::Neg {
+                        "negate a number or a per-token value"
+                    } else {
+                        "`!` negates a bool"
+                    }),
                 );
                 Ty::Error
             }
         };
-        let op = if op == ast::UnaryOp::Neg { UnaryOp::Neg } else { UnaryOp::Not };
-        mk(ExprKind::Unary { op, operand: Box::new(x) }, ty, gran, span)
+        let op = if op == ast::UnaryOp::Neg {
+            UnaryOp::Neg
+        } else {
+            UnaryOp::Not
+        };
+        mk(
+            ExprKind::Unary {
+                op,
+                operand: Box::new(x),
+            },
+            ty,
+            gran,
+            span,
+        )
     }
 
     /// Reports E0304. The primary label is the value of the second rollout, the secondary one
@@ -364,27 +526,49 @@ impl<'a> Checker<'a> {
             Code::E0304,
             "values of two different rollouts are combined",
             sb,
-            format!("from rollout {}, combined with rollout {}", b.0 + 1, a.0 + 1),
+            format!(
+                "from rollout {}, combined with rollout {}",
+                b.0 + 1,
+                a.0 + 1
+            ),
         )
         .with_label(sa, format!("from rollout {}", a.0 + 1));
         let (ga, gb) = (cx.rollout_span(a), cx.rollout_span(b));
         if !ga.is_dummy() && !gb.is_dummy() {
-            d = d.with_label(ga, format!("rollout {} generated here", a.0 + 1)).with_label(gb, format!("rollout {} generated here", b.0 + 1));
+            d = d
+                .with_label(ga, format!("rollout {} generated here", a.0 + 1))
+                .with_label(gb, format!("rollout {} generated here", b.0 + 1));
         }
         self.report(d.with_help("each sample's values line up only with the same rollout's samples; to compare rollouts of one prompt batch, use `by_prompt(value, rollout)`"));
     }
 
-    fn binary(&mut self, cx: &mut BodyCx, op: ast::BinaryOp, lhs: &ast::Expr, rhs: &ast::Expr, span: Span) -> Expr {
+    fn binary(
+        &mut self,
+        cx: &mut BodyCx,
+        op: ast::BinaryOp,
+        lhs: &ast::Expr,
+        rhs: &ast::Expr,
+        span: Span,
+    ) -> Expr {
         let l = self.expr(cx, lhs);
         let r = self.expr(cx, rhs);
         let gran = l.gran.max(r.gran);
         let ty = self.binary_ty(cx, op, &l, &r, span);
-        mk(ExprKind::Binary { op, lhs: Box::new(l), rhs: Box::new(r) }, ty, gran, span)
+        mk(
+            ExprKind::Binary {
+                op,
+                lhs: Box::new(l),
+                rhs: Box::new(r),
+            },
+            ty,
+            gran,
+            span,
+        )
     }
 
     fn binary_ty(&mut self, cx: &BodyCx, op: ast::BinaryOp, l: &Expr, r: &Expr, span: Span) -> Ty {
-        use ast::BinaryOp as B;
         use Ty::*;
+        use ast::BinaryOp as B;
         if l.ty.is_error() || r.ty.is_error() {
             return Error;
         }
@@ -401,7 +585,9 @@ impl<'a> Checker<'a> {
                 (Int, Int) => Some(if op == B::Div { Float } else { Int }),
                 (Int | Float, Int | Float) => Some(Float),
                 (Tokens, Int | Float | Tokens) | (Int | Float, Tokens) => Some(Tokens),
-                (PerToken(a), PerToken(b)) | (PerToken(a), PerSample(b)) | (PerSample(a), PerToken(b)) => {
+                (PerToken(a), PerToken(b))
+                | (PerToken(a), PerSample(b))
+                | (PerSample(a), PerToken(b)) => {
                     if !same(self, *a, *b) {
                         return Error;
                     }
@@ -442,14 +628,23 @@ impl<'a> Checker<'a> {
             None => {
                 let help = match op {
                     B::And | B::Or => "`&&` and `||` join bools, such as comparisons",
-                    B::Eq | B::Ne => "compare numbers with numbers, bools with bools, strings with strings",
+                    B::Eq | B::Ne => {
+                        "compare numbers with numbers, bools with bools, strings with strings"
+                    }
                     B::Lt | B::Le | B::Gt | B::Ge => "order comparisons apply to numbers",
-                    _ => "arithmetic applies to numbers, per-token and per-sample values of one rollout, and losses (`+`, and `*` by a number)",
+                    _ => {
+                        "arithmetic applies to numbers, per-token and per-sample values of one rollout, and losses (`+`, and `*` by a number)"
+                    }
                 };
                 self.report(
                     err(
                         Code::E0306,
-                        format!("`{}` does not apply to {} and {}", op.as_str(), l.ty.describe(), r.ty.describe()),
+                        format!(
+                            "`{}` does not apply to {} and {}",
+                            op.as_str(),
+                            l.ty.describe(),
+                            r.ty.describe()
+                        ),
                         span,
                         format!("{} {} {}", l.ty.describe(), op.as_str(), r.ty.describe()),
                     )
@@ -462,13 +657,28 @@ impl<'a> Checker<'a> {
         }
     }
 
-    fn if_expr(&mut self, cx: &mut BodyCx, cond: &ast::Expr, then: &ast::Block, else_: &ast::Expr, span: Span) -> Expr {
+    fn if_expr(
+        &mut self,
+        cx: &mut BodyCx,
+        cond: &ast::Expr,
+        then: &ast::Block,
+        else_: &ast::Expr,
+        span: Span,
+    ) -> Expr {
         let in_pipeline = self.not_in_pipeline(cx, "`if`", span);
         let c = self.expr(cx, cond);
         if !matches!(c.ty, Ty::Bool | Ty::Error) {
             self.report(
-                err(Code::E0301, format!("an `if` condition must be a bool, not a {}", c.ty.describe()), c.span, "not a bool")
-                    .with_help("compare it: `x > 0.0`"),
+                err(
+                    Code::E0301,
+                    format!(
+                        "an `if` condition must be a bool, not a {}",
+                        c.ty.describe()
+                    ),
+                    c.span,
+                    "not a bool",
+                )
+                .with_help("compare it: `x > 0.0`"),
             );
         }
         let t = self.block(cx, then);
@@ -484,22 +694,48 @@ impl<'a> Checker<'a> {
             (Ty::Tokens, Ty::Int | Ty::Float) | (Ty::Int | Ty::Float, Ty::Tokens) => Ty::Tokens,
             (a, b) => {
                 self.report(
-                    err(Code::E0307, format!("`if` branches have different types: {} and {}", a.describe(), b.describe()), span, "branches differ")
-                        .with_label(t.value.span, a.describe())
-                        .with_label(e.span, b.describe())
-                        .with_help("make both branches the same type, e.g. both floats: `1.0` and `0.0`"),
+                    err(
+                        Code::E0307,
+                        format!(
+                            "`if` branches have different types: {} and {}",
+                            a.describe(),
+                            b.describe()
+                        ),
+                        span,
+                        "branches differ",
+                    )
+                    .with_label(t.value.span, a.describe())
+                    .with_label(e.span, b.describe())
+                    .with_help(
+                        "make both branches the same type, e.g. both floats: `1.0` and `0.0`",
+                    ),
                 );
                 Ty::Error
             }
         };
-        mk(ExprKind::If { cond: Box::new(c), then: t, else_: Box::new(e) }, ty, gran, span)
+        mk(
+            ExprKind::If {
+                cond: Box::new(c),
+                then: t,
+                else_: Box::new(e),
+            },
+            ty,
+            gran,
+            span,
+        )
     }
 
     fn scan(&mut self, cx: &mut BodyCx, s: &ast::Scan, span: Span) -> Expr {
         if self.not_in_pipeline(cx, "`scan`", span) {
             return error_expr(span);
         }
-        let per_sample = matches!(cx.place, Place::Fn { per_sample: true, .. });
+        let per_sample = matches!(
+            cx.place,
+            Place::Fn {
+                per_sample: true,
+                ..
+            }
+        );
         if !per_sample {
             self.report(
                 err(Code::E0309, "`scan` needs a sample to visit", span, "no per-token context here")
@@ -510,33 +746,76 @@ impl<'a> Checker<'a> {
         let init = self.expr(cx, &s.init);
         if !init.ty.is_numeric_scalar() {
             self.report(
-                err(Code::E0301, format!("a scan accumulator starts from a number, not a {}", init.ty.describe()), init.span, "not a number")
-                    .with_help("start it from a float: `with acc = 0.0`"),
+                err(
+                    Code::E0301,
+                    format!(
+                        "a scan accumulator starts from a number, not a {}",
+                        init.ty.describe()
+                    ),
+                    init.span,
+                    "not a number",
+                )
+                .with_help("start it from a float: `with acc = 0.0`"),
             );
         }
         cx.push();
-        let var = cx.add_local_gran(&s.var.name, LocalKind::ScanVar, Ty::Int, Granularity::PerSample, s.var.span);
-        let acc = cx.add_local_gran(&s.acc.name, LocalKind::ScanAcc, Ty::Float, Granularity::PerSample, s.acc.span);
+        let var = cx.add_local_gran(
+            &s.var.name,
+            LocalKind::ScanVar,
+            Ty::Int,
+            Granularity::PerSample,
+            s.var.span,
+        );
+        let acc = cx.add_local_gran(
+            &s.acc.name,
+            LocalKind::ScanAcc,
+            Ty::Float,
+            Granularity::PerSample,
+            s.acc.span,
+        );
         // The accumulator and index count as used: a scan may ignore either.
         cx.locals[var.0 as usize].uses += 1;
         cx.locals[acc.0 as usize].uses += 1;
         let mut lets = Vec::new();
         for l in &s.lets {
             let v = self.expr(cx, &l.value);
-            let id = cx.add_local_gran(&l.name.name, LocalKind::Let, v.ty.clone(), v.gran, l.name.span);
+            let id = cx.add_local_gran(
+                &l.name.name,
+                LocalKind::Let,
+                v.ty.clone(),
+                v.gran,
+                l.name.span,
+            );
             lets.push((id, v));
         }
         let value = self.expr(cx, &s.value);
         if !value.ty.is_numeric_scalar() {
             self.report(
-                err(Code::E0301, format!("a scan step yields a number, not a {}", value.ty.describe()), value.span, "not a number")
-                    .with_help("index per-token values by the scan variable: `r[t]`"),
+                err(
+                    Code::E0301,
+                    format!("a scan step yields a number, not a {}", value.ty.describe()),
+                    value.span,
+                    "not a number",
+                )
+                .with_help("index per-token values by the scan variable: `r[t]`"),
             );
         }
         self.unused_lets(cx, &lets);
         cx.pop();
-        let scan = Scan { reverse: s.reverse, var, acc, init, lets, value };
-        mk(ExprKind::Scan(Box::new(scan)), Ty::Tokens, Granularity::PerSample, span)
+        let scan = Scan {
+            reverse: s.reverse,
+            var,
+            acc,
+            init,
+            lets,
+            value,
+        };
+        mk(
+            ExprKind::Scan(Box::new(scan)),
+            Ty::Tokens,
+            Granularity::PerSample,
+            span,
+        )
     }
 
     // ------------------------------------------------------------------------------------------
@@ -559,11 +838,23 @@ impl<'a> Checker<'a> {
                 self.report(
                     err(
                         Code::E0303,
-                        format!("{what} takes {} argument{}, but {} were given", params.len(), plural(params.len()), args.positional.len()),
+                        format!(
+                            "{what} takes {} argument{}, but {} were given",
+                            params.len(),
+                            plural(params.len()),
+                            args.positional.len()
+                        ),
                         a.span,
                         "surplus argument",
                     )
-                    .with_help(format!("the parameters are: {}", params.iter().map(|p| p.name.as_str()).collect::<Vec<_>>().join(", "))),
+                    .with_help(format!(
+                        "the parameters are: {}",
+                        params
+                            .iter()
+                            .map(|p| p.name.as_str())
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    )),
                 );
                 break;
             }
@@ -573,18 +864,36 @@ impl<'a> Checker<'a> {
                 None => {
                     let help = match suggest(&n.name.name, params.iter().map(|p| p.name.as_str())) {
                         Some(s) => format!("did you mean `{s}`?"),
-                        None => format!("the parameters are: {}", params.iter().map(|p| p.name.as_str()).collect::<Vec<_>>().join(", ")),
+                        None => format!(
+                            "the parameters are: {}",
+                            params
+                                .iter()
+                                .map(|p| p.name.as_str())
+                                .collect::<Vec<_>>()
+                                .join(", ")
+                        ),
                     };
                     self.report(
-                        err(Code::E0208, format!("{what} has no parameter `{}`", n.name.name), n.name.span, "unknown argument").with_help(help),
+                        err(
+                            Code::E0208,
+                            format!("{what} has no parameter `{}`", n.name.name),
+                            n.name.span,
+                            "unknown argument",
+                        )
+                        .with_help(help),
                     );
                 }
                 Some(i) if bound[i].is_some() => {
                     let prev = bound[i].map_or(call_span, |e| e.span);
                     self.report(
-                        err(Code::E0209, format!("argument `{}` is given twice", n.name.name), n.span, "given again")
-                            .with_label(prev, "first given here")
-                            .with_help("give each argument once"),
+                        err(
+                            Code::E0209,
+                            format!("argument `{}` is given twice", n.name.name),
+                            n.span,
+                            "given again",
+                        )
+                        .with_label(prev, "first given here")
+                        .with_help("give each argument once"),
                     );
                 }
                 Some(i) => bound[i] = Some(&n.value),
@@ -593,8 +902,13 @@ impl<'a> Checker<'a> {
         for (i, p) in params.iter().enumerate() {
             if bound[i].is_none() && !p.optional {
                 self.report(
-                    err(Code::E0302, format!("{what} is missing argument `{}`", p.name), call_span, format!("`{}` missing", p.name))
-                        .with_help(format!("pass it by position or as `{}: …`", p.name)),
+                    err(
+                        Code::E0302,
+                        format!("{what} is missing argument `{}`", p.name),
+                        call_span,
+                        format!("`{}` missing", p.name),
+                    )
+                    .with_help(format!("pass it by position or as `{}: …`", p.name)),
                 );
             }
         }
@@ -604,8 +918,13 @@ impl<'a> Checker<'a> {
     fn call(&mut self, cx: &mut BodyCx, callee: &ast::Expr, args: &ast::Args, span: Span) -> Expr {
         let ast::ExprKind::Path(path) = &callee.kind else {
             self.report(
-                err(Code::E0305, "only named functions can be called", callee.span, "not a function name")
-                    .with_help("call a `fn`, a built-in, or a function parameter by name"),
+                err(
+                    Code::E0305,
+                    "only named functions can be called",
+                    callee.span,
+                    "not a function name",
+                )
+                .with_help("call a `fn`, a built-in, or a function parameter by name"),
             );
             return error_expr(span);
         };
@@ -627,9 +946,14 @@ impl<'a> Checker<'a> {
                 Ty::Error => error_expr(span),
                 other => {
                     self.report(
-                        err(Code::E0305, format!("`{name}` is a {}, not a function", other.describe()), callee.span, "called here")
-                            .with_label(def_span, "defined here")
-                            .with_help("only functions can be called"),
+                        err(
+                            Code::E0305,
+                            format!("`{name}` is a {}, not a function", other.describe()),
+                            callee.span,
+                            "called here",
+                        )
+                        .with_label(def_span, "defined here")
+                        .with_help("only functions can be called"),
                     );
                     error_expr(span)
                 }
@@ -642,7 +966,8 @@ impl<'a> Checker<'a> {
                     let func = &self.program.fns[f.0 as usize];
                     let sig = func.signature();
                     let scope = func.scope;
-                    let defaults: Vec<Option<Expr>> = func.params.iter().map(|p| p.default.clone()).collect();
+                    let defaults: Vec<Option<Expr>> =
+                        func.params.iter().map(|p| p.default.clone()).collect();
                     let names: Vec<String> = func.params.iter().map(|p| p.name.clone()).collect();
                     cx.calls.insert(f);
                     if let Place::Fn { .. } = cx.place {
@@ -655,21 +980,41 @@ impl<'a> Checker<'a> {
                             return error_expr(span);
                         }
                     }
-                    self.call_fn(cx, Callee::Fn(f), name, &sig, scope, &names, &defaults, args, span)
+                    self.call_fn(
+                        cx,
+                        Callee::Fn(f),
+                        name,
+                        &sig,
+                        scope,
+                        &names,
+                        &defaults,
+                        args,
+                        span,
+                    )
                 }
                 Def::Pipeline(_) => {
                     self.report(
-                        err(Code::E0305, format!("`{name}` is a pipeline; pipelines are run, not called"), callee.span, "called here")
-                            .with_label(g.span, "pipeline declared here")
-                            .with_help(format!("run it with `run {name}(…)`")),
+                        err(
+                            Code::E0305,
+                            format!("`{name}` is a pipeline; pipelines are run, not called"),
+                            callee.span,
+                            "called here",
+                        )
+                        .with_label(g.span, "pipeline declared here")
+                        .with_help(format!("run it with `run {name}(…)`")),
                     );
                     error_expr(span)
                 }
                 _ => {
                     self.report(
-                        err(Code::E0305, format!("`{name}` is not a function"), callee.span, "called here")
-                            .with_label(g.span, "declared here")
-                            .with_help("only functions can be called"),
+                        err(
+                            Code::E0305,
+                            format!("`{name}` is not a function"),
+                            callee.span,
+                            "called here",
+                        )
+                        .with_label(g.span, "declared here")
+                        .with_help("only functions can be called"),
                     );
                     error_expr(span)
                 }
@@ -685,7 +1030,15 @@ impl<'a> Checker<'a> {
             Some(s) => format!("did you mean `{s}`?"),
             None => "define it with `fn`, or import it: standard functions live in `std::advantages`, `std::kl` and `std::rewards`".into(),
         };
-        self.report(err(Code::E0201, format!("unknown function `{name}`"), id.span, "not defined").with_help(help));
+        self.report(
+            err(
+                Code::E0201,
+                format!("unknown function `{name}`"),
+                id.span,
+                "not defined",
+            )
+            .with_help(help),
+        );
         for a in &args.positional {
             self.expr(cx, a);
         }
@@ -706,7 +1059,17 @@ impl<'a> Checker<'a> {
     ) -> Expr {
         let names: Vec<String> = (0..sig.params.len()).map(|i| format!("arg{i}")).collect();
         let defaults = vec![None; sig.params.len()];
-        self.call_fn(cx, callee, name, sig, Scope::Sample, &names, &defaults, args, span)
+        self.call_fn(
+            cx,
+            callee,
+            name,
+            sig,
+            Scope::Sample,
+            &names,
+            &defaults,
+            args,
+            span,
+        )
     }
 
     /// Checks a call of a user function (or function value): per-sample application in a
@@ -724,13 +1087,23 @@ impl<'a> Checker<'a> {
         args: &ast::Args,
         span: Span,
     ) -> Expr {
-        let specs: Vec<ParamSpec> =
-            names.iter().zip(defaults).map(|(n, d)| ParamSpec { name: n.clone(), optional: d.is_some() }).collect();
+        let specs: Vec<ParamSpec> = names
+            .iter()
+            .zip(defaults)
+            .map(|(n, d)| ParamSpec {
+                name: n.clone(),
+                optional: d.is_some(),
+            })
+            .collect();
         let bound = self.bind_args(&format!("`{name}`"), &specs, args, span);
         let per_sample = sig.params.iter().any(|p| p.is_sample_valued());
         let mut out = Vec::new();
         let mut rollout: Option<(RolloutId, Span)> = None;
-        let mut gran = if per_sample { scope.granularity() } else { Granularity::Scalar };
+        let mut gran = if per_sample {
+            scope.granularity()
+        } else {
+            Granularity::Scalar
+        };
         let mut ok = true;
         for (i, pty) in sig.params.iter().enumerate() {
             let arg = match bound.get(i).copied().flatten() {
@@ -754,7 +1127,9 @@ impl<'a> Checker<'a> {
             }
             let accepted = match cx.place {
                 Place::Pipeline => match (pty, &arg.ty) {
-                    (SigTy::Sample, Ty::Rollout(r, _)) | (SigTy::PerToken, Ty::PerToken(r)) | (SigTy::PerSample, Ty::PerSample(r)) => {
+                    (SigTy::Sample, Ty::Rollout(r, _))
+                    | (SigTy::PerToken, Ty::PerToken(r))
+                    | (SigTy::PerSample, Ty::PerSample(r)) => {
                         if let Some((r0, s0)) = rollout {
                             if r0 != *r {
                                 self.mixed(cx, r0, *r, s0, arg.span, span);
@@ -765,7 +1140,10 @@ impl<'a> Checker<'a> {
                         }
                         true
                     }
-                    (SigTy::Float, Ty::Int | Ty::Float) | (SigTy::Int, Ty::Int) | (SigTy::Bool, Ty::Bool) | (SigTy::Str, Ty::Str) => true,
+                    (SigTy::Float, Ty::Int | Ty::Float)
+                    | (SigTy::Int, Ty::Int)
+                    | (SigTy::Bool, Ty::Bool)
+                    | (SigTy::Str, Ty::Str) => true,
                     _ => false,
                 },
                 _ => match (pty, &arg.ty) {
@@ -777,14 +1155,20 @@ impl<'a> Checker<'a> {
             };
             if !accepted {
                 let want = match (cx.place, pty) {
-                    (Place::Pipeline, SigTy::Sample) => "a Rollout (the function is applied to every sample)".to_string(),
+                    (Place::Pipeline, SigTy::Sample) => {
+                        "a Rollout (the function is applied to every sample)".to_string()
+                    }
                     (Place::Pipeline, t) => t.to_string(),
                     (_, t) => t.in_fn_body().describe(),
                 };
                 self.report(
                     err(
                         Code::E0301,
-                        format!("argument {} of `{name}` must be {want}, not {}", i + 1, arg.ty.describe()),
+                        format!(
+                            "argument {} of `{name}` must be {want}, not {}",
+                            i + 1,
+                            arg.ty.describe()
+                        ),
                         arg.span,
                         format!("expected {want}"),
                     )
@@ -795,7 +1179,16 @@ impl<'a> Checker<'a> {
             out.push(arg);
         }
         if !ok {
-            return mk(ExprKind::Call { callee, args: out, mapped: per_sample }, Ty::Error, gran, span);
+            return mk(
+                ExprKind::Call {
+                    callee,
+                    args: out,
+                    mapped: per_sample,
+                },
+                Ty::Error,
+                gran,
+                span,
+            );
         }
         let ty = match cx.place {
             Place::Pipeline if per_sample => {
@@ -808,10 +1201,26 @@ impl<'a> Checker<'a> {
             _ => sig.ret.in_fn_body(),
         };
         let ty = if ty == Ty::Error { Ty::Error } else { ty };
-        mk(ExprKind::Call { callee, args: out, mapped: per_sample && cx.place == Place::Pipeline }, ty, gran, span)
+        mk(
+            ExprKind::Call {
+                callee,
+                args: out,
+                mapped: per_sample && cx.place == Place::Pipeline,
+            },
+            ty,
+            gran,
+            span,
+        )
     }
 
-    fn call_builtin(&mut self, cx: &mut BodyCx, b: &'static braid_stdlib::Builtin, args: &ast::Args, name_span: Span, span: Span) -> Expr {
+    fn call_builtin(
+        &mut self,
+        cx: &mut BodyCx,
+        b: &'static braid_stdlib::Builtin,
+        args: &ast::Args,
+        name_span: Span,
+        span: Span,
+    ) -> Expr {
         use braid_stdlib::Place as BP;
         let wrong_place = match (b.place, cx.place) {
             (BP::Pipeline, Place::Pipeline) => false,
@@ -828,7 +1237,10 @@ impl<'a> Checker<'a> {
             } else {
                 (
                     format!("`{}` can only be called in a `fn` body", b.name),
-                    format!("write a `fn` that uses `{}` and apply it to the rollout in the pipeline", b.name),
+                    format!(
+                        "write a `fn` that uses `{}` and apply it to the rollout in the pipeline",
+                        b.name
+                    ),
                 )
             };
             self.report(err(Code::E0407, msg, name_span, "called here").with_help(help));
@@ -837,8 +1249,14 @@ impl<'a> Checker<'a> {
             }
             return error_expr(span);
         }
-        let specs: Vec<ParamSpec> =
-            b.params.iter().map(|p| ParamSpec { name: p.name.to_string(), optional: p.default.is_some() }).collect();
+        let specs: Vec<ParamSpec> = b
+            .params
+            .iter()
+            .map(|p| ParamSpec {
+                name: p.name.to_string(),
+                optional: p.default.is_some(),
+            })
+            .collect();
         let bound = self.bind_args(&format!("`{}`", b.name), &specs, args, span);
         if b.place == BP::Pipeline {
             crate::builtins::pipeline_builtin(self, cx, b, &bound, span)
@@ -861,13 +1279,37 @@ impl<'a> Checker<'a> {
         cx.rollouts.get(r.0 as usize).map(|x| x.0)
     }
 
-    pub(crate) fn report_mixed(&mut self, cx: &BodyCx, a: RolloutId, b: RolloutId, sa: Span, sb: Span, span: Span) {
+    pub(crate) fn report_mixed(
+        &mut self,
+        cx: &BodyCx,
+        a: RolloutId,
+        b: RolloutId,
+        sa: Span,
+        sb: Span,
+        span: Span,
+    ) {
         self.mixed(cx, a, b, sa, sb, span);
     }
 
     pub(crate) fn rollout_span_of(&self, cx: &BodyCx, r: RolloutId) -> Span {
         cx.rollout_span(r)
     }
+}
+
+fn articles(s: &str) -> String {
+    let mut out = s.to_string();
+    for word in ["int", "Optimizer", "`lm`", "`int`", "{unknown}"] {
+        for lead in [" a ", "(a ", "\na "] {
+            out = out.replace(
+                &format!("{lead}{word}"),
+                &format!("{}n {word}", lead.trim_end()),
+            );
+        }
+        if let Some(rest) = out.strip_prefix(&format!("a {word}")) {
+            out = format!("an {word}{rest}");
+        }
+    }
+    out
 }
 
 fn plural(n: usize) -> &'static str {

@@ -148,12 +148,33 @@ pub enum ExprKind {
     Ref(Def),
     /// `args` are in parameter order with defaults filled in (a default's span is the call's).
     /// `mapped` is true when a per-sample function is applied to every sample of a rollout.
-    Call { callee: Callee, args: Vec<Expr>, mapped: bool },
-    Field { base: Box<Expr>, field: SampleField },
-    Index { base: Box<Expr>, index: Box<Expr> },
-    Unary { op: UnaryOp, operand: Box<Expr> },
-    Binary { op: BinaryOp, lhs: Box<Expr>, rhs: Box<Expr> },
-    If { cond: Box<Expr>, then: Body, else_: Box<Expr> },
+    Call {
+        callee: Callee,
+        args: Vec<Expr>,
+        mapped: bool,
+    },
+    Field {
+        base: Box<Expr>,
+        field: SampleField,
+    },
+    Index {
+        base: Box<Expr>,
+        index: Box<Expr>,
+    },
+    Unary {
+        op: UnaryOp,
+        operand: Box<Expr>,
+    },
+    Binary {
+        op: BinaryOp,
+        lhs: Box<Expr>,
+        rhs: Box<Expr>,
+    },
+    If {
+        cond: Box<Expr>,
+        then: Body,
+        else_: Box<Expr>,
+    },
     Block(Body),
     Scan(Box<Scan>),
     /// Something that did not check; a diagnostic was reported.
@@ -238,7 +259,10 @@ impl Fn {
     }
 
     pub fn signature(&self) -> crate::ty::FnSig {
-        crate::ty::FnSig { params: self.params.iter().map(|p| p.ty.clone()).collect(), ret: Box::new(self.ret.clone()) }
+        crate::ty::FnSig {
+            params: self.params.iter().map(|p| p.ty.clone()).collect(),
+            ret: Box::new(self.ret.clone()),
+        }
     }
 }
 
@@ -367,9 +391,18 @@ pub struct Model {
 
 #[derive(Debug, Clone, PartialEq)]
 pub enum DatasetSource {
-    Jsonl { path: String },
-    Parquet { path: String },
-    Synthetic { kind: String, count: i64, seed: i64, digits: i64 },
+    Jsonl {
+        path: String,
+    },
+    Parquet {
+        path: String,
+    },
+    Synthetic {
+        kind: String,
+        count: i64,
+        seed: i64,
+        digits: i64,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -454,8 +487,19 @@ impl Pipeline {
                     for a in args {
                         walk(a, out);
                     }
-                    if let (Callee::Model(op), Some(Expr { kind: ExprKind::Ref(Def::Local(l)), .. })) = (callee, args.first()) {
-                        out.push(ModelCall { op: *op, model: *l, span: e.span });
+                    if let (
+                        Callee::Model(op),
+                        Some(Expr {
+                            kind: ExprKind::Ref(Def::Local(l)),
+                            ..
+                        }),
+                    ) = (callee, args.first())
+                    {
+                        out.push(ModelCall {
+                            op: *op,
+                            model: *l,
+                            span: e.span,
+                        });
                     }
                 }
                 ExprKind::Unary { operand, .. } => walk(operand, out),

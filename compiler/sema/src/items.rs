@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use braid_diagnostics::{Code, Diagnostic, Span};
 use braid_syntax::ast;
 
-use crate::check::{mk, suggest, BodyCx, Checker, Global, Place};
+use crate::check::{BodyCx, Checker, Global, Place, mk, suggest};
 use crate::hir::*;
 use crate::load::Module;
 
@@ -42,13 +42,24 @@ impl<'a> Checker<'a> {
                     continue;
                 }
                 if let Some(prev) = scope.get(&name.name) {
-                    let d = err(Code::E0202, format!("`{}` is defined twice", name.name), name.span, "defined again here")
-                        .with_label(prev.span, "first defined here")
-                        .with_help("rename one of them");
+                    let d = err(
+                        Code::E0202,
+                        format!("`{}` is defined twice", name.name),
+                        name.span,
+                        "defined again here",
+                    )
+                    .with_label(prev.span, "first defined here")
+                    .with_help("rename one of them");
                     self.diags.push(d);
                     continue;
                 }
-                scope.insert(name.name.clone(), Global { def, span: name.span });
+                scope.insert(
+                    name.name.clone(),
+                    Global {
+                        def,
+                        span: name.span,
+                    },
+                );
             }
             own.push(scope);
         }
@@ -86,9 +97,14 @@ impl<'a> Checker<'a> {
             let mut params: Vec<Param> = Vec::new();
             for p in &f.params {
                 if let Some(prev) = params.iter().find(|q| q.name == p.name.name) {
-                    let d = err(Code::E0202, format!("parameter `{}` is declared twice", p.name.name), p.name.span, "declared again")
-                        .with_label(prev.span, "first declared here")
-                        .with_help("rename one of them");
+                    let d = err(
+                        Code::E0202,
+                        format!("parameter `{}` is declared twice", p.name.name),
+                        p.name.span,
+                        "declared again",
+                    )
+                    .with_label(prev.span, "first declared here")
+                    .with_help("rename one of them");
                     self.report(d);
                 }
                 let ty = self.sig_ty(&p.ty);
@@ -99,10 +115,24 @@ impl<'a> Checker<'a> {
                     );
                 }
                 let default = p.default.as_ref().map(|d| self.const_default(mi, d, &ty));
-                params.push(Param { name: p.name.name.clone(), ty, default, span: p.name.span });
+                params.push(Param {
+                    name: p.name.name.clone(),
+                    ty,
+                    default,
+                    span: p.name.span,
+                });
             }
             let ret = self.sig_ty(&f.ret);
-            if !matches!(ret, SigTy::Int | SigTy::Float | SigTy::Bool | SigTy::Str | SigTy::PerToken | SigTy::PerSample | SigTy::Error) {
+            if !matches!(
+                ret,
+                SigTy::Int
+                    | SigTy::Float
+                    | SigTy::Bool
+                    | SigTy::Str
+                    | SigTy::PerToken
+                    | SigTy::PerSample
+                    | SigTy::Error
+            ) {
                 self.report(
                     err(Code::E0301, format!("a `fn` cannot return a {ret}"), f.ret.span(), "not allowed here")
                         .with_help("a `fn` returns a scalar (int, float, bool, string), a PerSample or a PerToken"),
@@ -123,8 +153,13 @@ impl<'a> Checker<'a> {
                     "batch" => Scope::Batch,
                     other => {
                         self.report(
-                            err(Code::E0308, format!("`over {other}` is not a scope"), o.span, "unknown scope")
-                                .with_help("write `over group` or `over batch`"),
+                            err(
+                                Code::E0308,
+                                format!("`over {other}` is not a scope"),
+                                o.span,
+                                "unknown scope",
+                            )
+                            .with_help("write `over group` or `over batch`"),
                         );
                         Scope::Sample
                     }
@@ -139,7 +174,10 @@ impl<'a> Checker<'a> {
                 params,
                 ret,
                 scope,
-                body: Body { lets: vec![], value: Box::new(mk(ExprKind::Error, Ty::Error, Granularity::Scalar, f.span)) },
+                body: Body {
+                    lets: vec![],
+                    value: Box::new(mk(ExprKind::Error, Ty::Error, Granularity::Scalar, f.span)),
+                },
                 locals: vec![],
                 name_span: f.name.span,
                 span: f.span,
@@ -158,8 +196,18 @@ impl<'a> Checker<'a> {
             let per_sample = params.iter().any(|p| p.ty.is_sample_valued());
             let mut cx = BodyCx::new(Place::Fn { scope, per_sample }, mi);
             for (pi, p) in params.iter().enumerate() {
-                let gran = if p.ty.is_sample_valued() { Granularity::PerSample } else { Granularity::Scalar };
-                let id = cx.add_local_gran(&p.name, LocalKind::Param(pi as u32), p.ty.in_fn_body(), gran, p.span);
+                let gran = if p.ty.is_sample_valued() {
+                    Granularity::PerSample
+                } else {
+                    Granularity::Scalar
+                };
+                let id = cx.add_local_gran(
+                    &p.name,
+                    LocalKind::Param(pi as u32),
+                    p.ty.in_fn_body(),
+                    gran,
+                    p.span,
+                );
                 // Parameters need not be used: a reward may ignore its sample.
                 cx.locals[id.0 as usize].uses += 1;
             }
@@ -175,7 +223,12 @@ impl<'a> Checker<'a> {
             if !ok {
                 let d = err(
                     Code::E0301,
-                    format!("`{}` returns {} but its body is a {}", f.name.name, ret, got.describe()),
+                    format!(
+                        "`{}` returns {} but its body is a {}",
+                        f.name.name,
+                        ret,
+                        got.describe()
+                    ),
                     body.value.span,
                     format!("this is a {}", got.describe()),
                 )
@@ -206,7 +259,13 @@ impl<'a> Checker<'a> {
         }
     }
 
-    fn dfs(&mut self, f: usize, state: &mut [u8], stack: &mut Vec<usize>, reported: &mut BTreeSet<usize>) {
+    fn dfs(
+        &mut self,
+        f: usize,
+        state: &mut [u8],
+        stack: &mut Vec<usize>,
+        reported: &mut BTreeSet<usize>,
+    ) {
         if state[f] == 2 {
             return;
         }
@@ -215,11 +274,22 @@ impl<'a> Checker<'a> {
                 let cycle: Vec<usize> = stack[pos..].to_vec();
                 let first = *cycle.iter().min().unwrap_or(&f);
                 if reported.insert(first) {
-                    let names: Vec<String> =
-                        cycle.iter().chain([&f]).map(|&i| format!("`{}`", self.program.fns[i].name)).collect();
+                    let names: Vec<String> = cycle
+                        .iter()
+                        .chain([&f])
+                        .map(|&i| format!("`{}`", self.program.fns[i].name))
+                        .collect();
                     let func = &self.program.fns[first];
-                    let d = err(Code::E0313, format!("functions call each other in a cycle: {}", names.join(" → ")), func.name_span, "part of a cycle")
-                        .with_help("the language has no recursion; write the recurrence with `scan`");
+                    let d = err(
+                        Code::E0313,
+                        format!(
+                            "functions call each other in a cycle: {}",
+                            names.join(" → ")
+                        ),
+                        func.name_span,
+                        "part of a cycle",
+                    )
+                    .with_help("the language has no recursion; write the recurrence with `scan`");
                     self.report(d);
                 }
             }
@@ -244,15 +314,28 @@ impl<'a> Checker<'a> {
         }
         if let Err(span) = self.const_eval(e, &BTreeMap::new()) {
             self.report(
-                err(Code::E0412, "a default must be a constant", span, "not a constant")
-                    .with_help("write a literal such as `0.95`, or arithmetic on literals"),
+                err(
+                    Code::E0412,
+                    "a default must be a constant",
+                    span,
+                    "not a constant",
+                )
+                .with_help("write a literal such as `0.95`, or arithmetic on literals"),
             );
             return x;
         }
         if !scalar_accepts(ty, &x.ty) {
             self.report(
-                err(Code::E0301, format!("default of type {} for a parameter of type {ty}", x.ty.describe()), x.span, format!("expected {ty}"))
-                    .with_help(format!("write a {ty} literal")),
+                err(
+                    Code::E0301,
+                    format!(
+                        "default of type {} for a parameter of type {ty}",
+                        x.ty.describe()
+                    ),
+                    x.span,
+                    format!("expected {ty}"),
+                )
+                .with_help(format!("write a {ty} literal")),
             );
         }
         x
@@ -260,7 +343,11 @@ impl<'a> Checker<'a> {
 
     /// Evaluates a constant expression over known settings. `Err` is the span of the first
     /// part that is not constant.
-    pub(crate) fn const_eval(&self, e: &ast::Expr, env: &BTreeMap<String, Value>) -> Result<Value, Span> {
+    pub(crate) fn const_eval(
+        &self,
+        e: &ast::Expr,
+        env: &BTreeMap<String, Value>,
+    ) -> Result<Value, Span> {
         use ast::BinaryOp as B;
         Ok(match &e.kind {
             ast::ExprKind::Int(i) => Value::Int(*i),
@@ -302,7 +389,9 @@ impl<'a> Checker<'a> {
                         _ => return Err(e.span),
                     },
                     _ => {
-                        let (Some(a), Some(b)) = (l.as_f64(), r.as_f64()) else { return Err(e.span) };
+                        let (Some(a), Some(b)) = (l.as_f64(), r.as_f64()) else {
+                            return Err(e.span);
+                        };
                         match op {
                             B::Add => Value::Float(a + b),
                             B::Sub => Value::Float(a - b),
@@ -341,9 +430,14 @@ impl<'a> Checker<'a> {
         let mut dup = |this: &mut Self, name: &ast::Ident| {
             if let Some(prev) = names.get(&name.name) {
                 this.report(
-                    err(Code::E0202, format!("`{}` is declared twice in this pipeline", name.name), name.span, "declared again")
-                        .with_label(*prev, "first declared here")
-                        .with_help("rename one of them"),
+                    err(
+                        Code::E0202,
+                        format!("`{}` is declared twice in this pipeline", name.name),
+                        name.span,
+                        "declared again",
+                    )
+                    .with_label(*prev, "first declared here")
+                    .with_help("rename one of them"),
                 );
             } else {
                 names.insert(name.name.clone(), name.span);
@@ -371,9 +465,19 @@ impl<'a> Checker<'a> {
                     Ty::Error
                 }
             };
-            let id = cx.add_local(&sp.name.name, LocalKind::Param(pi as u32), body_ty, sp.name.span);
+            let id = cx.add_local(
+                &sp.name.name,
+                LocalKind::Param(pi as u32),
+                body_ty,
+                sp.name.span,
+            );
             cx.locals[id.0 as usize].uses += 1;
-            params.push(Param { name: sp.name.name.clone(), ty, default, span: sp.name.span });
+            params.push(Param {
+                name: sp.name.name.clone(),
+                ty,
+                default,
+                span: sp.name.span,
+            });
         }
         let mut settings: Vec<Setting> = Vec::new();
         for (si, s) in p.settings.iter().enumerate() {
@@ -389,34 +493,67 @@ impl<'a> Checker<'a> {
             let default = s.default.as_ref().map(|d| {
                 let mut ccx = BodyCx::new(Place::Const, mi);
                 for prev in &settings {
-                    let id = ccx.add_local(&prev.name, LocalKind::Setting(0), prev.ty.in_fn_body(), prev.span);
+                    let id = ccx.add_local(
+                        &prev.name,
+                        LocalKind::Setting(0),
+                        prev.ty.in_fn_body(),
+                        prev.span,
+                    );
                     ccx.locals[id.0 as usize].uses += 1;
                 }
                 let x = self.expr(&mut ccx, d);
                 if !x.ty.is_error() && !scalar_accepts(&ty, &x.ty) {
                     self.report(
-                        err(Code::E0301, format!("default of type {} for a `param` of type {ty}", x.ty.describe()), x.span, format!("expected {ty}"))
-                            .with_help(format!("write a {ty} literal")),
+                        err(
+                            Code::E0301,
+                            format!(
+                                "default of type {} for a `param` of type {ty}",
+                                x.ty.describe()
+                            ),
+                            x.span,
+                            format!("expected {ty}"),
+                        )
+                        .with_help(format!("write a {ty} literal")),
                     );
                 }
                 x
             });
-            let id = cx.add_local(&s.name.name, LocalKind::Setting(si as u32), ty.in_fn_body(), s.name.span);
+            let id = cx.add_local(
+                &s.name.name,
+                LocalKind::Setting(si as u32),
+                ty.in_fn_body(),
+                s.name.span,
+            );
             cx.locals[id.0 as usize].uses += 1;
-            settings.push(Setting { name: s.name.name.clone(), ty, default, where_: None, span: s.name.span });
+            settings.push(Setting {
+                name: s.name.name.clone(),
+                ty,
+                default,
+                where_: None,
+                span: s.name.span,
+            });
         }
         for (si, s) in p.settings.iter().enumerate() {
             if let Some(w) = &s.where_ {
                 let mut ccx = BodyCx::new(Place::Const, mi);
                 for st in &settings {
-                    let id = ccx.add_local(&st.name, LocalKind::Setting(0), st.ty.in_fn_body(), st.span);
+                    let id =
+                        ccx.add_local(&st.name, LocalKind::Setting(0), st.ty.in_fn_body(), st.span);
                     ccx.locals[id.0 as usize].uses += 1;
                 }
                 let x = self.expr(&mut ccx, w);
                 if !matches!(x.ty, Ty::Bool | Ty::Error) {
                     self.report(
-                        err(Code::E0301, format!("a `where` condition must be a bool, not a {}", x.ty.describe()), x.span, "not a bool")
-                            .with_help("write a comparison such as `clip > 0.0`"),
+                        err(
+                            Code::E0301,
+                            format!(
+                                "a `where` condition must be a bool, not a {}",
+                                x.ty.describe()
+                            ),
+                            x.span,
+                            "not a bool",
+                        )
+                        .with_help("write a comparison such as `clip > 0.0`"),
                     );
                 }
                 settings[si].where_ = Some(x);
@@ -429,20 +566,35 @@ impl<'a> Checker<'a> {
             let src = m.source.path.text();
             if src == "frozen" {
                 match m.source.args.positional.first() {
-                    Some(a) if m.source.args.positional.len() == 1 && m.source.args.named.is_empty() => {
+                    Some(a)
+                        if m.source.args.positional.len() == 1
+                            && m.source.args.named.is_empty() =>
+                    {
                         let x = self.expr(&mut cx, a);
                         match (&x.kind, &x.ty) {
                             (ExprKind::Ref(Def::Local(l)), Ty::Model) => frozen_of = Some(*l),
                             (_, Ty::Error) => {}
                             _ => self.report(
-                                err(Code::E0301, format!("`frozen` copies a model, not a {}", x.ty.describe()), x.span, "not a model")
-                                    .with_help("pass a model parameter of the pipeline: `frozen(policy)`"),
+                                err(
+                                    Code::E0301,
+                                    format!("`frozen` copies a model, not a {}", x.ty.describe()),
+                                    x.span,
+                                    "not a model",
+                                )
+                                .with_help(
+                                    "pass a model parameter of the pipeline: `frozen(policy)`",
+                                ),
                             ),
                         }
                     }
                     _ => self.report(
-                        err(Code::E0302, "`frozen` takes one model", m.source.span, "expected `frozen(model)`")
-                            .with_help("copy one model: `model ref = frozen(policy)`"),
+                        err(
+                            Code::E0302,
+                            "`frozen` takes one model",
+                            m.source.span,
+                            "expected `frozen(model)`",
+                        )
+                        .with_help("copy one model: `model ref = frozen(policy)`"),
                     ),
                 }
             } else {
@@ -453,20 +605,40 @@ impl<'a> Checker<'a> {
             }
             if let Some(o) = &m.options {
                 self.report(
-                    err(Code::E0207, "a frozen copy takes no options", o.span, "options here")
-                        .with_help("a frozen copy shares the options of the model it copies"),
+                    err(
+                        Code::E0207,
+                        "a frozen copy takes no options",
+                        o.span,
+                        "options here",
+                    )
+                    .with_help("a frozen copy shares the options of the model it copies"),
                 );
             }
-            let local = cx.add_local(&m.name.name, LocalKind::Model(li as u32), Ty::Model, m.name.span);
-            models.push(LocalModel { name: m.name.name.clone(), local, frozen_of, span: m.span });
+            let local = cx.add_local(
+                &m.name.name,
+                LocalKind::Model(li as u32),
+                Ty::Model,
+                m.name.span,
+            );
+            models.push(LocalModel {
+                name: m.name.name.clone(),
+                local,
+                frozen_of,
+                span: m.span,
+            });
         }
         let each = p.each.as_ref().map(|e| self.each(&mut cx, e));
         // A local model never used is dead weight in every step.
         for m in &models {
             if cx.locals[m.local.0 as usize].uses == 0 {
                 self.report(
-                    err(Code::W0002, format!("model `{}` is never used", m.name), cx.locals[m.local.0 as usize].span, "declared here")
-                        .with_help("remove it, or use it in the `each` body"),
+                    err(
+                        Code::W0002,
+                        format!("model `{}` is never used", m.name),
+                        cx.locals[m.local.0 as usize].span,
+                        "declared here",
+                    )
+                    .with_help("remove it, or use it in the `each` body"),
                 );
             }
         }
@@ -475,9 +647,14 @@ impl<'a> Checker<'a> {
             if *op == ModelOp::Train {
                 if let Some(m) = models.iter().find(|m| m.local == *l) {
                     self.report(
-                        err(Code::E0401, format!("`{}` is a frozen copy and cannot be trained", m.name), *span, "trained here")
-                            .with_label(m.span, "declared frozen here")
-                            .with_help("train the model it copies instead"),
+                        err(
+                            Code::E0401,
+                            format!("`{}` is a frozen copy and cannot be trained", m.name),
+                            *span,
+                            "trained here",
+                        )
+                        .with_label(m.span, "declared frozen here")
+                        .with_help("train the model it copies instead"),
                     );
                 }
             }
@@ -501,8 +678,16 @@ impl<'a> Checker<'a> {
         let count = self.expr(cx, &e.count);
         if !matches!(count.ty, Ty::Int | Ty::Error) {
             self.report(
-                err(Code::E0301, format!("`each … in` takes a number of steps (an int), not a {}", count.ty.describe()), count.span, "not an int")
-                    .with_help("iterate over an int `param`: `each step in steps`"),
+                err(
+                    Code::E0301,
+                    format!(
+                        "`each … in` takes a number of steps (an int), not a {}",
+                        count.ty.describe()
+                    ),
+                    count.span,
+                    "not an int",
+                )
+                .with_help("iterate over an int `param`: `each step in steps`"),
             );
         }
         let var = cx.add_local(&e.var.name, LocalKind::EachVar, Ty::Int, e.var.span);
@@ -513,7 +698,21 @@ impl<'a> Checker<'a> {
             match s {
                 ast::Stmt::Let(l) => {
                     let v = self.expr(cx, &l.value);
-                    let id = cx.add_local_gran(&l.name.name, LocalKind::Let, v.ty.clone(), v.gran, l.name.span);
+                    if matches!(v.ty, Ty::Model | Ty::Dataset | Ty::Fn(_)) {
+                        // Model calls are matched to models by name (heads, training, pins);
+                        // an alias would hide which model a call runs.
+                        self.report(
+                            err(Code::E0301, format!("a {} cannot be bound with `let`", v.ty.describe()), v.span, "not a value")
+                                .with_help("use the parameter itself; a pipeline makes a reference copy with `model ref = frozen(policy)`"),
+                        );
+                    }
+                    let id = cx.add_local_gran(
+                        &l.name.name,
+                        LocalKind::Let,
+                        v.ty.clone(),
+                        v.gran,
+                        l.name.span,
+                    );
                     lets.push((id, v.clone()));
                     stmts.push(Stmt::Let(id, v));
                 }
@@ -521,8 +720,13 @@ impl<'a> Checker<'a> {
                     let v = self.expr(cx, x);
                     if !matches!(v.ty, Ty::Unit | Ty::Error) {
                         self.report(
-                            err(Code::W0003, format!("this {} is computed but never used", v.ty.describe()), v.span, "value unused")
-                                .with_help("bind it with `let` and use it, or remove it"),
+                            err(
+                                Code::W0003,
+                                format!("this {} is computed but never used", v.ty.describe()),
+                                v.span,
+                                "value unused",
+                            )
+                            .with_help("bind it with `let` and use it, or remove it"),
                         );
                     }
                     stmts.push(Stmt::Expr(v));
@@ -530,7 +734,12 @@ impl<'a> Checker<'a> {
             }
         }
         self.unused_lets(cx, &lets);
-        Each { var, count, stmts, span: e.span }
+        Each {
+            var,
+            count,
+            stmts,
+            span: e.span,
+        }
     }
 
     // ------------------------------------------------------------------------------------------
@@ -576,7 +785,9 @@ impl<'a> Checker<'a> {
                 self.program.datasets.push(Dataset {
                     name: d.name.name.clone(),
                     file,
-                    source: DatasetSource::Jsonl { path: String::new() },
+                    source: DatasetSource::Jsonl {
+                        path: String::new(),
+                    },
                     prompt_field: "prompt".into(),
                     answer_field: "answer".into(),
                     shuffle: false,

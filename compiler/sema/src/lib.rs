@@ -15,7 +15,7 @@ pub mod ty;
 
 use braid_diagnostics::{Diagnostic, SourceMap};
 
-pub use load::{join, Loader, MemoryLoader, NoImports};
+pub use load::{Loader, MemoryLoader, NoImports, join};
 
 /// The result of checking a file: the typed program, every source it read, and diagnostics
 /// sorted by position.
@@ -68,5 +68,9 @@ pub fn check(name: &str, text: &str, loader: &dyn Loader) -> Checked {
     let program = ch.program;
     diagnostics.dedup();
     braid_diagnostics::sort(&mut diagnostics);
-    Checked { program, sources, diagnostics }
+    Checked {
+        program,
+        sources,
+        diagnostics,
+    }
 }

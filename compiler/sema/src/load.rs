@@ -34,7 +34,10 @@ pub struct MemoryLoader {
 impl Loader for MemoryLoader {
     fn load(&self, from: &str, path: &str) -> Result<(String, String), String> {
         let name = join(from, path);
-        self.files.get(&name).map(|t| (name.clone(), t.clone())).ok_or_else(|| format!("no file `{name}`"))
+        self.files
+            .get(&name)
+            .map(|t| (name.clone(), t.clone()))
+            .ok_or_else(|| format!("no file `{name}`"))
     }
 }
 
@@ -67,7 +70,11 @@ fn normalize(p: &str) -> String {
         }
     }
     let joined = parts.join("/");
-    if absolute { format!("/{joined}") } else { joined }
+    if absolute {
+        format!("/{joined}")
+    } else {
+        joined
+    }
 }
 
 /// One loaded file of the program.
@@ -92,11 +99,26 @@ pub fn load_modules(
 ) -> Vec<Module> {
     let mut modules: Vec<Module> = Vec::new();
     let mut by_name: BTreeMap<String, usize> = BTreeMap::new();
-    let root = add_module(root_name.to_string(), root_text.to_string(), false, sources, diags, &mut modules);
+    let root = add_module(
+        root_name.to_string(),
+        root_text.to_string(),
+        false,
+        sources,
+        diags,
+        &mut modules,
+    );
     by_name.insert(root_name.to_string(), root);
     // Depth-first, so that a cycle is found with the chain that makes it.
     let mut stack: Vec<usize> = Vec::new();
-    visit(root, &mut stack, loader, sources, diags, &mut modules, &mut by_name);
+    visit(
+        root,
+        &mut stack,
+        loader,
+        sources,
+        diags,
+        &mut modules,
+        &mut by_name,
+    );
     modules
 }
 
@@ -108,11 +130,21 @@ fn add_module(
     diags: &mut Vec<Diagnostic>,
     modules: &mut Vec<Module>,
 ) -> usize {
-    let display = if is_std { braid_stdlib::file_name(name.trim_start_matches("std::")) } else { name.clone() };
+    let display = if is_std {
+        braid_stdlib::file_name(name.trim_start_matches("std::"))
+    } else {
+        name.clone()
+    };
     let file = sources.add(display, text.clone());
     let (ast, d) = braid_syntax::parse(&text, file);
     diags.extend(d);
-    modules.push(Module { name, file, ast, imports: Vec::new(), is_std });
+    modules.push(Module {
+        name,
+        file,
+        ast,
+        imports: Vec::new(),
+        is_std,
+    });
     modules.len() - 1
 }
 
@@ -172,18 +204,28 @@ fn visit(
         };
         if let Some(&existing) = by_name.get(&key) {
             if let Some(pos) = stack.iter().position(|&s| s == existing) {
-                let chain: Vec<String> =
-                    stack[pos..].iter().map(|&i| modules[i].name.clone()).chain([modules[existing].name.clone()]).collect();
+                let chain: Vec<String> = stack[pos..]
+                    .iter()
+                    .map(|&i| modules[i].name.clone())
+                    .chain([modules[existing].name.clone()])
+                    .collect();
                 diags.push(
-                    Diagnostic::new(Code::E0205, format!("import cycle: {}", chain.join(" → ")), u.span, "this import closes the cycle")
-                        .with_help("move what both files need into a third file that imports neither"),
+                    Diagnostic::new(
+                        Code::E0205,
+                        format!("import cycle: {}", chain.join(" → ")),
+                        u.span,
+                        "this import closes the cycle",
+                    )
+                    .with_help("move what both files need into a third file that imports neither"),
                 );
                 continue;
             }
             modules[m].imports.push((existing, u.span));
             continue;
         }
-        let Some((text, is_std)) = loaded else { continue };
+        let Some((text, is_std)) = loaded else {
+            continue;
+        };
         let idx = add_module(key.clone(), text, is_std, sources, diags, modules);
         by_name.insert(key, idx);
         modules[m].imports.push((idx, u.span));
@@ -193,9 +235,20 @@ fn visit(
 }
 
 fn unknown_module(text: &str, span: Span) -> Diagnostic {
-    let names: Vec<String> = braid_stdlib::MODULES.iter().map(|m| format!("std::{}", m.name)).collect();
-    Diagnostic::new(Code::E0203, format!("no standard-library module `{text}`"), span, "unknown module")
-        .with_help(format!("the modules are {}; a file is imported with `use \"./file.rlhf\"`", names.join(", ")))
+    let names: Vec<String> = braid_stdlib::MODULES
+        .iter()
+        .map(|m| format!("std::{}", m.name))
+        .collect();
+    Diagnostic::new(
+        Code::E0203,
+        format!("no standard-library module `{text}`"),
+        span,
+        "unknown module",
+    )
+    .with_help(format!(
+        "the modules are {}; a file is imported with `use \"./file.rlhf\"`",
+        names.join(", ")
+    ))
 }
 
 #[cfg(test)]

@@ -32,7 +32,14 @@ pub fn program(p: &Program) -> String {
         let _ = writeln!(
             out,
             "dataset {} = {:?} prompt={:?} answer={:?} shuffle={} seed={} chat_template={} epochs={:?}",
-            d.name, d.source, d.prompt_field, d.answer_field, d.shuffle, d.seed, d.chat_template, d.epochs
+            d.name,
+            d.source,
+            d.prompt_field,
+            d.answer_field,
+            d.shuffle,
+            d.seed,
+            d.chat_template,
+            d.epochs
         );
     }
     if let Some(r) = &p.run {
@@ -73,31 +80,75 @@ fn write_fn(out: &mut String, p: &Program, f: &Fn) {
             None => format!("{}: {}", x.name, x.ty),
         })
         .collect();
-    let _ = writeln!(out, "fn {}::{}({}) -> {} over {:?}", f.module, f.name, params.join(", "), f.ret, f.scope);
+    let _ = writeln!(
+        out,
+        "fn {}::{}({}) -> {} over {:?}",
+        f.module,
+        f.name,
+        params.join(", "),
+        f.ret,
+        f.scope
+    );
     for (l, e) in &f.body.lets {
-        let _ = writeln!(out, "  let {} = {}", local(&f.locals, *l), expr(p, &f.locals, e));
+        let _ = writeln!(
+            out,
+            "  let {} = {}",
+            local(&f.locals, *l),
+            expr(p, &f.locals, e)
+        );
     }
     let _ = writeln!(out, "  {}", expr(p, &f.locals, &f.body.value));
 }
 
 fn write_pipeline(out: &mut String, p: &Program, pl: &Pipeline) {
-    let params: Vec<String> = pl.params.iter().map(|x| format!("{}: {}", x.name, x.ty)).collect();
-    let _ = writeln!(out, "pipeline {}::{}({})", pl.module, pl.name, params.join(", "));
+    let params: Vec<String> = pl
+        .params
+        .iter()
+        .map(|x| format!("{}: {}", x.name, x.ty))
+        .collect();
+    let _ = writeln!(
+        out,
+        "pipeline {}::{}({})",
+        pl.module,
+        pl.name,
+        params.join(", ")
+    );
     for s in &pl.settings {
-        let d = s.default.as_ref().map(|d| expr(p, &pl.locals, d)).unwrap_or_default();
-        let w = s.where_.as_ref().map(|w| expr(p, &pl.locals, w)).unwrap_or_default();
+        let d = s
+            .default
+            .as_ref()
+            .map(|d| expr(p, &pl.locals, d))
+            .unwrap_or_default();
+        let w = s
+            .where_
+            .as_ref()
+            .map(|w| expr(p, &pl.locals, w))
+            .unwrap_or_default();
         let _ = writeln!(out, "  param {}: {} = {} where {}", s.name, s.ty, d, w);
     }
     for m in &pl.models {
-        let of = m.frozen_of.map(|l| local(&pl.locals, l)).unwrap_or_default();
+        let of = m
+            .frozen_of
+            .map(|l| local(&pl.locals, l))
+            .unwrap_or_default();
         let _ = writeln!(out, "  model {} = frozen({})", m.name, of);
     }
     if let Some(each) = &pl.each {
-        let _ = writeln!(out, "  each {} in {}", local(&pl.locals, each.var), expr(p, &pl.locals, &each.count));
+        let _ = writeln!(
+            out,
+            "  each {} in {}",
+            local(&pl.locals, each.var),
+            expr(p, &pl.locals, &each.count)
+        );
         for s in &each.stmts {
             match s {
                 Stmt::Let(l, e) => {
-                    let _ = writeln!(out, "    let {} = {}", local(&pl.locals, *l), expr(p, &pl.locals, e));
+                    let _ = writeln!(
+                        out,
+                        "    let {} = {}",
+                        local(&pl.locals, *l),
+                        expr(p, &pl.locals, e)
+                    );
                 }
                 Stmt::Expr(e) => {
                     let _ = writeln!(out, "    {}", expr(p, &pl.locals, e));
@@ -108,7 +159,9 @@ fn write_pipeline(out: &mut String, p: &Program, pl: &Pipeline) {
 }
 
 fn local(locals: &[Local], l: LocalId) -> String {
-    locals.get(l.0 as usize).map_or_else(|| format!("?{}", l.0), |x| x.name.clone())
+    locals
+        .get(l.0 as usize)
+        .map_or_else(|| format!("?{}", l.0), |x| x.name.clone())
 }
 
 /// One expression with its type and granularity: `(a + b : PerToken<r0> per-sample)`.
@@ -119,11 +172,21 @@ pub fn expr(p: &Program, locals: &[Local], e: &Expr) -> String {
             Def::Local(l) => local(locals, *l),
             Def::Fn(f) => p.fns[f.0 as usize].name.clone(),
             Def::Pipeline(x) => p.pipelines[x.0 as usize].name.clone(),
-            Def::Model(m) => p.models.get(m.0 as usize).map_or("?".into(), |m| m.name.clone()),
-            Def::Dataset(d) => p.datasets.get(d.0 as usize).map_or("?".into(), |d| d.name.clone()),
+            Def::Model(m) => p
+                .models
+                .get(m.0 as usize)
+                .map_or("?".into(), |m| m.name.clone()),
+            Def::Dataset(d) => p
+                .datasets
+                .get(d.0 as usize)
+                .map_or("?".into(), |d| d.name.clone()),
             Def::Builtin(b) => b.to_string(),
         },
-        ExprKind::Call { callee, args, mapped } => {
+        ExprKind::Call {
+            callee,
+            args,
+            mapped,
+        } => {
             let name = match callee {
                 Callee::Model(op) => op.as_str().to_string(),
                 Callee::Builtin(b) => b.to_string(),
@@ -131,23 +194,47 @@ pub fn expr(p: &Program, locals: &[Local], e: &Expr) -> String {
                 Callee::FnValue(l) => local(locals, *l),
             };
             let a: Vec<String> = args.iter().map(|x| expr(p, locals, x)).collect();
-            format!("{}{}({})", name, if *mapped { "[each sample]" } else { "" }, a.join(", "))
+            format!(
+                "{}{}({})",
+                name,
+                if *mapped { "[each sample]" } else { "" },
+                a.join(", ")
+            )
         }
         ExprKind::Field { base, field } => format!("{}.{}", expr(p, locals, base), field.as_str()),
-        ExprKind::Index { base, index } => format!("{}[{}]", expr(p, locals, base), expr(p, locals, index)),
+        ExprKind::Index { base, index } => {
+            format!("{}[{}]", expr(p, locals, base), expr(p, locals, index))
+        }
         ExprKind::Unary { op, operand } => {
-            format!("{}{}", if *op == UnaryOp::Neg { "-" } else { "!" }, expr(p, locals, operand))
+            format!(
+                "{}{}",
+                if *op == UnaryOp::Neg { "-" } else { "!" },
+                expr(p, locals, operand)
+            )
         }
         ExprKind::Binary { op, lhs, rhs } => {
-            format!("{} {} {}", expr(p, locals, lhs), op.as_str(), expr(p, locals, rhs))
+            format!(
+                "{} {} {}",
+                expr(p, locals, lhs),
+                op.as_str(),
+                expr(p, locals, rhs)
+            )
         }
         ExprKind::If { cond, then, else_ } => {
-            format!("if {} {{ {} }} else {{ {} }}", expr(p, locals, cond), body(p, locals, then), expr(p, locals, else_))
+            format!(
+                "if {} {{ {} }} else {{ {} }}",
+                expr(p, locals, cond),
+                body(p, locals, then),
+                expr(p, locals, else_)
+            )
         }
         ExprKind::Block(b) => body(p, locals, b),
         ExprKind::Scan(s) => {
-            let lets: Vec<String> =
-                s.lets.iter().map(|(l, e)| format!("let {} = {}; ", local(locals, *l), expr(p, locals, e))).collect();
+            let lets: Vec<String> = s
+                .lets
+                .iter()
+                .map(|(l, e)| format!("let {} = {}; ", local(locals, *l), expr(p, locals, e)))
+                .collect();
             format!(
                 "scan{} {} with {} = {} {{ {}{} }}",
                 if s.reverse { " reverse" } else { "" },
@@ -164,6 +251,10 @@ pub fn expr(p: &Program, locals: &[Local], e: &Expr) -> String {
 }
 
 fn body(p: &Program, locals: &[Local], b: &Body) -> String {
-    let lets: Vec<String> = b.lets.iter().map(|(l, e)| format!("let {} = {}; ", local(locals, *l), expr(p, locals, e))).collect();
+    let lets: Vec<String> = b
+        .lets
+        .iter()
+        .map(|(l, e)| format!("let {} = {}; ", local(locals, *l), expr(p, locals, e)))
+        .collect();
     format!("{}{}", lets.join(""), expr(p, locals, &b.value))
 }

@@ -21,25 +21,47 @@ pub(crate) struct OptionMap<'o> {
 }
 
 impl Checker<'_> {
-    pub(crate) fn option_map<'o>(&mut self, what: &str, opts: Option<&'o ast::Options>, specs: &[OptionSpec]) -> OptionMap<'o> {
+    pub(crate) fn option_map<'o>(
+        &mut self,
+        what: &str,
+        opts: Option<&'o ast::Options>,
+        specs: &[OptionSpec],
+    ) -> OptionMap<'o> {
         let mut entries: BTreeMap<&'static str, &'o ast::OptionEntry> = BTreeMap::new();
-        let Some(opts) = opts else { return OptionMap { entries } };
+        let Some(opts) = opts else {
+            return OptionMap { entries };
+        };
         for e in &opts.entries {
             match specs.iter().find(|s| s.key == e.key.name) {
                 None => {
                     let keys: Vec<&str> = specs.iter().map(|s| s.key).collect();
                     let help = match closest(&e.key.name, &keys) {
-                        Some(s) => format!("did you mean `{s}`? {what} accepts {}", keys.join(", ")),
+                        Some(s) => {
+                            format!("did you mean `{s}`? {what} accepts {}", keys.join(", "))
+                        }
                         None => format!("{what} accepts {}", keys.join(", ")),
                     };
-                    self.report(err(Code::E0207, format!("{what} has no option `{}`", e.key.name), e.key.span, "unknown option").with_help(help));
+                    self.report(
+                        err(
+                            Code::E0207,
+                            format!("{what} has no option `{}`", e.key.name),
+                            e.key.span,
+                            "unknown option",
+                        )
+                        .with_help(help),
+                    );
                 }
                 Some(spec) => {
                     if let Some(prev) = entries.get(spec.key) {
                         self.report(
-                            err(Code::E0209, format!("option `{}` is given twice", spec.key), e.key.span, "given again")
-                                .with_label(prev.key.span, "first given here")
-                                .with_help("give each option once"),
+                            err(
+                                Code::E0209,
+                                format!("option `{}` is given twice", spec.key),
+                                e.key.span,
+                                "given again",
+                            )
+                            .with_label(prev.key.span, "first given here")
+                            .with_help("give each option once"),
                         );
                         continue;
                     }
@@ -53,11 +75,22 @@ impl Checker<'_> {
     /// The constant value of an option, reporting a non-constant or wrongly typed one.
     pub(crate) fn option_value(&mut self, e: &ast::OptionEntry, want: &SigTy) -> Option<Value> {
         let x = match &e.value {
-            ast::OptionValue::Flag => return if *want == SigTy::Bool { Some(Value::Bool(true)) } else { self.bad_option(e, want) },
+            ast::OptionValue::Flag => {
+                return if *want == SigTy::Bool {
+                    Some(Value::Bool(true))
+                } else {
+                    self.bad_option(e, want)
+                };
+            }
             ast::OptionValue::Record(r) => {
                 self.report(
-                    err(Code::E0308, format!("`{}` takes a {want}, not a record", e.key.name), r.span, "record here")
-                        .with_help(format!("write `{}: <{want}>`", e.key.name)),
+                    err(
+                        Code::E0308,
+                        format!("`{}` takes a {want}, not a record", e.key.name),
+                        r.span,
+                        "record here",
+                    )
+                    .with_help(format!("write `{}: <{want}>`", e.key.name)),
                 );
                 return None;
             }
@@ -66,15 +99,23 @@ impl Checker<'_> {
         match self.const_eval(x, &BTreeMap::new()) {
             Err(span) => {
                 self.report(
-                    err(Code::E0412, format!("option `{}` must be a constant", e.key.name), span, "not a constant")
-                        .with_help("write a literal such as `3e-4`, `true` or \"text\""),
+                    err(
+                        Code::E0412,
+                        format!("option `{}` must be a constant", e.key.name),
+                        span,
+                        "not a constant",
+                    )
+                    .with_help("write a literal such as `3e-4`, `true` or \"text\""),
                 );
                 None
             }
             Ok(v) => {
                 let ok = matches!(
                     (want, &v),
-                    (SigTy::Int, Value::Int(_)) | (SigTy::Float, Value::Int(_) | Value::Float(_)) | (SigTy::Bool, Value::Bool(_)) | (SigTy::Str, Value::Str(_))
+                    (SigTy::Int, Value::Int(_))
+                        | (SigTy::Float, Value::Int(_) | Value::Float(_))
+                        | (SigTy::Bool, Value::Bool(_))
+                        | (SigTy::Str, Value::Str(_))
                 );
                 if ok {
                     Some(match (want, v) {
@@ -90,8 +131,13 @@ impl Checker<'_> {
 
     fn bad_option(&mut self, e: &ast::OptionEntry, want: &SigTy) -> Option<Value> {
         self.report(
-            err(Code::E0308, format!("option `{}` takes a {want}", e.key.name), e.span, format!("expected {want}"))
-                .with_help(format!("write `{}: <{want}>`", e.key.name)),
+            err(
+                Code::E0308,
+                format!("option `{}` takes a {want}", e.key.name),
+                e.span,
+                format!("expected {want}"),
+            )
+            .with_help(format!("write `{}: <{want}>`", e.key.name)),
         );
         None
     }
@@ -99,20 +145,39 @@ impl Checker<'_> {
     /// An enumerated option written bare (`dtype: bf16`) or as a string.
     fn enum_option(&mut self, e: &ast::OptionEntry, values: &[&str]) -> Option<String> {
         let text = match &e.value {
-            ast::OptionValue::Expr(ast::Expr { kind: ast::ExprKind::Path(p), .. }) => p.as_single().map(|i| i.name.clone()),
-            ast::OptionValue::Expr(ast::Expr { kind: ast::ExprKind::Str(s), .. }) => Some(s.value.clone()),
+            ast::OptionValue::Expr(ast::Expr {
+                kind: ast::ExprKind::Path(p),
+                ..
+            }) => p.as_single().map(|i| i.name.clone()),
+            ast::OptionValue::Expr(ast::Expr {
+                kind: ast::ExprKind::Str(s),
+                ..
+            }) => Some(s.value.clone()),
             _ => None,
         };
         match text {
             Some(t) if values.contains(&t.as_str()) => Some(t),
             _ => {
                 let help = match text.as_deref().and_then(|t| closest(t, values)) {
-                    Some(s) => format!("did you mean `{s}`? `{}` is one of {}", e.key.name, values.join(", ")),
+                    Some(s) => format!(
+                        "did you mean `{s}`? `{}` is one of {}",
+                        e.key.name,
+                        values.join(", ")
+                    ),
                     None => format!("`{}` is one of {}", e.key.name, values.join(", ")),
                 };
                 self.report(
-                    err(Code::E0308, format!("`{}` cannot be `{}`", e.key.name, text.unwrap_or_else(|| "that".into())), e.span, "not an accepted value")
-                        .with_help(help),
+                    err(
+                        Code::E0308,
+                        format!(
+                            "`{}` cannot be `{}`",
+                            e.key.name,
+                            text.unwrap_or_else(|| "that".into())
+                        ),
+                        e.span,
+                        "not an accepted value",
+                    )
+                    .with_help(help),
                 );
                 None
             }
@@ -122,8 +187,13 @@ impl Checker<'_> {
     fn range(&mut self, e: &ast::OptionEntry, v: f64, ok: bool, rule: &str) {
         if !ok {
             self.report(
-                err(Code::E0411, format!("`{}` is {v}, but it must be {rule}", e.key.name), e.span, format!("must be {rule}"))
-                    .with_help(format!("choose a value {rule}")),
+                err(
+                    Code::E0411,
+                    format!("`{}` is {v}, but it must be {rule}", e.key.name),
+                    e.span,
+                    format!("must be {rule}"),
+                )
+                .with_help(format!("choose a value {rule}")),
             );
         }
     }
@@ -132,37 +202,71 @@ impl Checker<'_> {
         let src = d.source.path.text();
         let source = match src.as_str() {
             "tiny" => self.tiny(&d.source).map(ModelSource::Tiny),
-            "hf" => self.string_arg(&d.source, "hf", "dir").map(|dir| ModelSource::Hf { dir }),
+            "hf" => self
+                .string_arg(&d.source, "hf", "dir")
+                .map(|dir| ModelSource::Hf { dir }),
             "frozen" => {
-                let target = d.source.args.positional.first().and_then(|a| match &a.kind {
-                    ast::ExprKind::Path(p) => p.as_single().cloned(),
-                    _ => None,
-                });
+                let target = d
+                    .source
+                    .args
+                    .positional
+                    .first()
+                    .and_then(|a| match &a.kind {
+                        ast::ExprKind::Path(p) => p.as_single().cloned(),
+                        _ => None,
+                    });
                 match target {
-                    Some(id) if d.source.args.positional.len() == 1 => match self.scopes[mi].get(&id.name).copied() {
-                        Some(g) => match g.def {
-                            Def::Model(m) => {
-                                self.program.references.push(Reference { span: id.span, def: g.def, def_span: g.span });
-                                Some(ModelSource::Frozen(m))
-                            }
-                            _ => {
-                                self.report(
-                                    err(Code::E0301, format!("`frozen` copies a model; `{}` is not one", id.name), id.span, "not a model")
+                    Some(id) if d.source.args.positional.len() == 1 => {
+                        match self.scopes[mi].get(&id.name).copied() {
+                            Some(g) => match g.def {
+                                Def::Model(m) => {
+                                    self.program.references.push(Reference {
+                                        span: id.span,
+                                        def: g.def,
+                                        def_span: g.span,
+                                    });
+                                    Some(ModelSource::Frozen(m))
+                                }
+                                _ => {
+                                    self.report(
+                                        err(
+                                            Code::E0301,
+                                            format!(
+                                                "`frozen` copies a model; `{}` is not one",
+                                                id.name
+                                            ),
+                                            id.span,
+                                            "not a model",
+                                        )
                                         .with_label(g.span, "declared here")
                                         .with_help("pass a declared model: `frozen(policy)`"),
+                                    );
+                                    None
+                                }
+                            },
+                            None => {
+                                self.report(
+                                    err(
+                                        Code::E0201,
+                                        format!("unknown model `{}`", id.name),
+                                        id.span,
+                                        "not defined",
+                                    )
+                                    .with_help("declare the model first with `model NAME = …`"),
                                 );
                                 None
                             }
-                        },
-                        None => {
-                            self.report(err(Code::E0201, format!("unknown model `{}`", id.name), id.span, "not defined").with_help("declare the model first with `model NAME = …`"));
-                            None
                         }
-                    },
+                    }
                     _ => {
                         self.report(
-                            err(Code::E0302, "`frozen` takes one model", d.source.span, "expected `frozen(model)`")
-                                .with_help("copy one declared model: `model ref = frozen(policy)`"),
+                            err(
+                                Code::E0302,
+                                "`frozen` takes one model",
+                                d.source.span,
+                                "expected `frozen(model)`",
+                            )
+                            .with_help("copy one declared model: `model ref = frozen(policy)`"),
                         );
                         None
                     }
@@ -171,10 +275,20 @@ impl Checker<'_> {
             other => {
                 let names: Vec<&str> = braid_stdlib::MODEL_SOURCES.iter().map(|b| b.name).collect();
                 let help = match closest(other, &names) {
-                    Some(s) => format!("did you mean `{s}`? Model sources are {}", names.join(", ")),
+                    Some(s) => {
+                        format!("did you mean `{s}`? Model sources are {}", names.join(", "))
+                    }
                     None => format!("model sources are {}", names.join(", ")),
                 };
-                self.report(err(Code::E0210, format!("unknown model source `{other}`"), d.source.path.span, "unknown source").with_help(help));
+                self.report(
+                    err(
+                        Code::E0210,
+                        format!("unknown model source `{other}`"),
+                        d.source.path.span,
+                        "unknown source",
+                    )
+                    .with_help(help),
+                );
                 None
             }
         };
@@ -184,11 +298,13 @@ impl Checker<'_> {
             model.source = s;
         }
         if let Some(e) = opts.entries.get("dtype") {
-            model.dtype = self.enum_option(e, &["f32", "bf16", "f16"]).map(|t| match t.as_str() {
-                "bf16" => Dtype::Bf16,
-                "f16" => Dtype::F16,
-                _ => Dtype::F32,
-            });
+            model.dtype = self
+                .enum_option(e, &["f32", "bf16", "f16"])
+                .map(|t| match t.as_str() {
+                    "bf16" => Dtype::Bf16,
+                    "f16" => Dtype::F16,
+                    _ => Dtype::F32,
+                });
         }
         if let Some(e) = opts.entries.get("head") {
             if let Some(h) = self.enum_option(e, &["lm", "value", "score"]) {
@@ -218,8 +334,16 @@ impl Checker<'_> {
             if let ModelSource::Frozen(_) = model.source {
                 let e = opts.entries.get("train").map_or(d.span, |e| e.span);
                 self.report(
-                    err(Code::E0401, format!("`{}` is a frozen copy and cannot declare `train:`", d.name.name), e, "`train:` here")
-                        .with_help("train the original model; a frozen copy is a fixed reference"),
+                    err(
+                        Code::E0401,
+                        format!(
+                            "`{}` is a frozen copy and cannot declare `train:`",
+                            d.name.name
+                        ),
+                        e,
+                        "`train:` here",
+                    )
+                    .with_help("train the original model; a frozen copy is a fixed reference"),
                 );
                 model.train = None;
             }
@@ -230,13 +354,26 @@ impl Checker<'_> {
     fn adamw(&mut self, e: &ast::OptionEntry) -> Option<AdamW> {
         let ast::OptionValue::Expr(x) = &e.value else {
             self.report(
-                err(Code::E0308, "`train` takes an optimizer", e.span, "expected `adamw(…)`")
-                    .with_help("write `train: adamw(lr: 3e-4)`"),
+                err(
+                    Code::E0308,
+                    "`train` takes an optimizer",
+                    e.span,
+                    "expected `adamw(…)`",
+                )
+                .with_help("write `train: adamw(lr: 3e-4)`"),
             );
             return None;
         };
         let ast::ExprKind::Call { callee, args } = &x.kind else {
-            self.report(err(Code::E0308, "`train` takes an optimizer", x.span, "expected `adamw(…)`").with_help("write `train: adamw(lr: 3e-4)`"));
+            self.report(
+                err(
+                    Code::E0308,
+                    "`train` takes an optimizer",
+                    x.span,
+                    "expected `adamw(…)`",
+                )
+                .with_help("write `train: adamw(lr: 3e-4)`"),
+            );
             return None;
         };
         let name = match &callee.kind {
@@ -246,32 +383,59 @@ impl Checker<'_> {
         if name != "adamw" {
             self.report(
                 err(Code::E0308, format!("unknown optimizer `{name}`"), callee.span, "unknown optimizer")
-                    .with_help("the optimizer is `adamw(lr: …, weight_decay: …, eps: …, betas: …, warmup: …, schedule: …)`"),
+                    .with_help("the optimizer is `adamw(lr: …, weight_decay: …, eps: …, beta1: …, beta2: …, warmup: …, schedule: …)`"),
             );
             return None;
         }
         if let Some(p) = args.positional.first() {
             self.report(
-                err(Code::E0106, "`adamw` takes named arguments only", p.span, "positional argument")
-                    .with_help("name it: `adamw(lr: 3e-4)`"),
+                err(
+                    Code::E0106,
+                    "`adamw` takes named arguments only",
+                    p.span,
+                    "positional argument",
+                )
+                .with_help("name it: `adamw(lr: 3e-4)`"),
             );
         }
-        let mut opt = AdamW { lr: f64::NAN, weight_decay: 0.0, eps: 1e-8, beta1: 0.9, beta2: 0.999, warmup: 0, schedule: LrSchedule::Constant };
+        let mut opt = AdamW {
+            lr: f64::NAN,
+            weight_decay: 0.0,
+            eps: 1e-8,
+            beta1: 0.9,
+            beta2: 0.999,
+            warmup: 0,
+            schedule: LrSchedule::Constant,
+        };
         let mut seen: BTreeMap<String, Span> = BTreeMap::new();
         for n in &args.named {
             if let Some(prev) = seen.insert(n.name.name.clone(), n.span) {
                 self.report(
-                    err(Code::E0209, format!("argument `{}` is given twice", n.name.name), n.span, "given again")
-                        .with_label(prev, "first given here")
-                        .with_help("give each argument once"),
+                    err(
+                        Code::E0209,
+                        format!("argument `{}` is given twice", n.name.name),
+                        n.span,
+                        "given again",
+                    )
+                    .with_label(prev, "first given here")
+                    .with_help("give each argument once"),
                 );
                 continue;
             }
             let val = self.const_eval(&n.value, &BTreeMap::new());
-            let entry = ast::OptionEntry { key: n.name.clone(), value: ast::OptionValue::Expr(n.value.clone()), span: n.span };
+            let entry = ast::OptionEntry {
+                key: n.name.clone(),
+                value: ast::OptionValue::Expr(n.value.clone()),
+                span: n.span,
+            };
             match n.name.name.as_str() {
                 "lr" | "weight_decay" | "eps" | "beta1" | "beta2" => {
-                    let Some(v) = self.option_value(&entry, &SigTy::Float).and_then(|v| v.as_f64()) else { continue };
+                    let Some(v) = self
+                        .option_value(&entry, &SigTy::Float)
+                        .and_then(|v| v.as_f64())
+                    else {
+                        continue;
+                    };
                     match n.name.name.as_str() {
                         "lr" => {
                             self.range(&entry, v, v > 0.0, "> 0");
@@ -296,7 +460,10 @@ impl Checker<'_> {
                     }
                 }
                 "warmup" => {
-                    if let Some(v) = self.option_value(&entry, &SigTy::Int).and_then(|v| v.as_i64()) {
+                    if let Some(v) = self
+                        .option_value(&entry, &SigTy::Int)
+                        .and_then(|v| v.as_i64())
+                    {
                         self.range(&entry, v as f64, v >= 0, ">= 0");
                         opt.warmup = v;
                     }
@@ -312,20 +479,41 @@ impl Checker<'_> {
                 }
                 other => {
                     let _ = val;
-                    let names = ["lr", "weight_decay", "eps", "beta1", "beta2", "warmup", "schedule"];
+                    let names = [
+                        "lr",
+                        "weight_decay",
+                        "eps",
+                        "beta1",
+                        "beta2",
+                        "warmup",
+                        "schedule",
+                    ];
                     let help = match closest(other, &names) {
                         Some(s) => format!("did you mean `{s}`?"),
                         None => format!("`adamw` takes {}", names.join(", ")),
                     };
-                    self.report(err(Code::E0208, format!("`adamw` has no parameter `{other}`"), n.name.span, "unknown argument").with_help(help));
+                    self.report(
+                        err(
+                            Code::E0208,
+                            format!("`adamw` has no parameter `{other}`"),
+                            n.name.span,
+                            "unknown argument",
+                        )
+                        .with_help(help),
+                    );
                 }
             }
         }
         if opt.lr.is_nan() {
             if !seen.contains_key("lr") {
                 self.report(
-                    err(Code::E0302, "`adamw` is missing argument `lr`", x.span, "`lr` missing")
-                        .with_help("set the learning rate: `adamw(lr: 3e-4)`"),
+                    err(
+                        Code::E0302,
+                        "`adamw` is missing argument `lr`",
+                        x.span,
+                        "`lr` missing",
+                    )
+                    .with_help("set the learning rate: `adamw(lr: 3e-4)`"),
                 );
             }
             return None;
@@ -334,10 +522,27 @@ impl Checker<'_> {
     }
 
     fn tiny(&mut self, s: &ast::Source) -> Option<TinyConfig> {
-        let names = ["vocab", "layers", "hidden", "heads", "kv_heads", "intermediate", "max_len", "seed"];
+        let names = [
+            "vocab",
+            "layers",
+            "hidden",
+            "heads",
+            "kv_heads",
+            "intermediate",
+            "max_len",
+            "seed",
+        ];
         let mut vals: BTreeMap<&str, (i64, Span)> = BTreeMap::new();
         if let Some(p) = s.args.positional.first() {
-            self.report(err(Code::E0106, "`tiny` takes named arguments only", p.span, "positional argument").with_help("name it: `tiny(layers: 2, hidden: 64)`"));
+            self.report(
+                err(
+                    Code::E0106,
+                    "`tiny` takes named arguments only",
+                    p.span,
+                    "positional argument",
+                )
+                .with_help("name it: `tiny(layers: 2, hidden: 64)`"),
+            );
         }
         let mut ok = true;
         for n in &s.args.named {
@@ -346,11 +551,23 @@ impl Checker<'_> {
                     Some(x) => format!("did you mean `{x}`?"),
                     None => format!("`tiny` takes {}", names.join(", ")),
                 };
-                self.report(err(Code::E0208, format!("`tiny` has no parameter `{}`", n.name.name), n.name.span, "unknown argument").with_help(help));
+                self.report(
+                    err(
+                        Code::E0208,
+                        format!("`tiny` has no parameter `{}`", n.name.name),
+                        n.name.span,
+                        "unknown argument",
+                    )
+                    .with_help(help),
+                );
                 ok = false;
                 continue;
             };
-            let entry = ast::OptionEntry { key: n.name.clone(), value: ast::OptionValue::Expr(n.value.clone()), span: n.span };
+            let entry = ast::OptionEntry {
+                key: n.name.clone(),
+                value: ast::OptionValue::Expr(n.value.clone()),
+                span: n.span,
+            };
             if key == "vocab" {
                 match self.option_value(&entry, &SigTy::Str) {
                     Some(Value::Str(v)) if v == "bytes" => {}
@@ -365,11 +582,19 @@ impl Checker<'_> {
                 }
                 continue;
             }
-            match self.option_value(&entry, &SigTy::Int).and_then(|v| v.as_i64()) {
+            match self
+                .option_value(&entry, &SigTy::Int)
+                .and_then(|v| v.as_i64())
+            {
                 Some(v) => {
                     let min = if key == "seed" { 0 } else { 1 };
                     if v < min {
-                        self.range(&entry, v as f64, false, if min == 0 { ">= 0" } else { "> 0" });
+                        self.range(
+                            &entry,
+                            v as f64,
+                            false,
+                            if min == 0 { ">= 0" } else { "> 0" },
+                        );
                         ok = false;
                     }
                     vals.insert(key, (v, n.span));
@@ -391,10 +616,20 @@ impl Checker<'_> {
             seed: get("seed", 0),
         };
         if ok && heads > 0 && hidden % heads != 0 {
-            let span = vals.get("heads").or(vals.get("hidden")).map_or(s.span, |x| x.1);
+            let span = vals
+                .get("heads")
+                .or(vals.get("hidden"))
+                .map_or(s.span, |x| x.1);
             self.report(
-                err(Code::E0411, format!("`hidden` ({hidden}) must be a multiple of `heads` ({heads})"), span, "does not divide")
-                    .with_help("each head gets hidden / heads dimensions: pick heads that divide hidden"),
+                err(
+                    Code::E0411,
+                    format!("`hidden` ({hidden}) must be a multiple of `heads` ({heads})"),
+                    span,
+                    "does not divide",
+                )
+                .with_help(
+                    "each head gets hidden / heads dimensions: pick heads that divide hidden",
+                ),
             );
             ok = false;
         }
@@ -411,13 +646,26 @@ impl Checker<'_> {
 
     /// The single string argument of a source such as `hf("dir")` or `jsonl("file")`.
     fn string_arg(&mut self, s: &ast::Source, what: &str, param: &str) -> Option<String> {
-        let arg = s.args.positional.first().or_else(|| s.args.named.iter().find(|n| n.name.name == param).map(|n| &n.value));
+        let arg = s.args.positional.first().or_else(|| {
+            s.args
+                .named
+                .iter()
+                .find(|n| n.name.name == param)
+                .map(|n| &n.value)
+        });
         match arg.map(|a| &a.kind) {
-            Some(ast::ExprKind::Str(lit)) if s.args.positional.len() + s.args.named.len() == 1 => Some(lit.value.clone()),
+            Some(ast::ExprKind::Str(lit)) if s.args.positional.len() + s.args.named.len() == 1 => {
+                Some(lit.value.clone())
+            }
             _ => {
                 self.report(
-                    err(Code::E0301, format!("`{what}` takes one string: the {param}"), s.span, "expected a string")
-                        .with_help(format!("write `{what}(\"path\")`, relative to this file")),
+                    err(
+                        Code::E0301,
+                        format!("`{what}` takes one string: the {param}"),
+                        s.span,
+                        "expected a string",
+                    )
+                    .with_help(format!("write `{what}(\"path\")`, relative to this file")),
                 );
                 None
             }
@@ -440,23 +688,52 @@ impl Checker<'_> {
             }
             "synthetic::letters" | "synthetic::arithmetic" => {
                 let kind = src.trim_start_matches("synthetic::").to_string();
-                let allowed: &[&str] = if kind == "letters" { &["count", "seed"] } else { &["count", "seed", "digits"] };
+                let allowed: &[&str] = if kind == "letters" {
+                    &["count", "seed"]
+                } else {
+                    &["count", "seed", "digits"]
+                };
                 let mut vals: BTreeMap<String, i64> = BTreeMap::new();
                 if let Some(p) = d.source.args.positional.first() {
-                    self.report(err(Code::E0106, format!("`{src}` takes named arguments only"), p.span, "positional argument").with_help("name it: `count: 512`"));
+                    self.report(
+                        err(
+                            Code::E0106,
+                            format!("`{src}` takes named arguments only"),
+                            p.span,
+                            "positional argument",
+                        )
+                        .with_help("name it: `count: 512`"),
+                    );
                 }
                 for n in &d.source.args.named {
                     if !allowed.contains(&n.name.name.as_str()) {
                         self.report(
-                            err(Code::E0208, format!("`{src}` has no parameter `{}`", n.name.name), n.name.span, "unknown argument")
-                                .with_help(format!("`{src}` takes {}", allowed.join(", "))),
+                            err(
+                                Code::E0208,
+                                format!("`{src}` has no parameter `{}`", n.name.name),
+                                n.name.span,
+                                "unknown argument",
+                            )
+                            .with_help(format!("`{src}` takes {}", allowed.join(", "))),
                         );
                         continue;
                     }
-                    let entry = ast::OptionEntry { key: n.name.clone(), value: ast::OptionValue::Expr(n.value.clone()), span: n.span };
-                    if let Some(v) = self.option_value(&entry, &SigTy::Int).and_then(|v| v.as_i64()) {
+                    let entry = ast::OptionEntry {
+                        key: n.name.clone(),
+                        value: ast::OptionValue::Expr(n.value.clone()),
+                        span: n.span,
+                    };
+                    if let Some(v) = self
+                        .option_value(&entry, &SigTy::Int)
+                        .and_then(|v| v.as_i64())
+                    {
                         let min = if n.name.name == "seed" { 0 } else { 1 };
-                        self.range(&entry, v as f64, v >= min, if min == 0 { ">= 0" } else { "> 0" });
+                        self.range(
+                            &entry,
+                            v as f64,
+                            v >= min,
+                            if min == 0 { ">= 0" } else { "> 0" },
+                        );
                         vals.insert(n.name.name.clone(), v);
                     }
                 }
@@ -468,15 +745,33 @@ impl Checker<'_> {
                 };
             }
             other => {
-                let names: Vec<&str> = braid_stdlib::DATASET_SOURCES.iter().map(|b| b.name).collect();
+                let names: Vec<&str> = braid_stdlib::DATASET_SOURCES
+                    .iter()
+                    .map(|b| b.name)
+                    .collect();
                 let help = match closest(other, &names) {
-                    Some(s) => format!("did you mean `{s}`? Dataset sources are {}", names.join(", ")),
+                    Some(s) => format!(
+                        "did you mean `{s}`? Dataset sources are {}",
+                        names.join(", ")
+                    ),
                     None => format!("dataset sources are {}", names.join(", ")),
                 };
-                self.report(err(Code::E0210, format!("unknown dataset source `{other}`"), d.source.path.span, "unknown source").with_help(help));
+                self.report(
+                    err(
+                        Code::E0210,
+                        format!("unknown dataset source `{other}`"),
+                        d.source.path.span,
+                        "unknown source",
+                    )
+                    .with_help(help),
+                );
             }
         }
-        let opts = self.option_map("a dataset", d.options.as_ref(), braid_stdlib::DATASET_OPTIONS);
+        let opts = self.option_map(
+            "a dataset",
+            d.options.as_ref(),
+            braid_stdlib::DATASET_OPTIONS,
+        );
         if let Some(e) = opts.entries.get("fields") {
             match &e.value {
                 ast::OptionValue::Record(r) => {
@@ -493,8 +788,15 @@ impl Checker<'_> {
                     }
                 }
                 _ => self.report(
-                    err(Code::E0308, "`fields` takes a record", e.span, "expected `{ prompt: \"…\", answer: \"…\" }`")
-                        .with_help("map record fields: `fields: { prompt: \"question\", answer: \"answer\" }`"),
+                    err(
+                        Code::E0308,
+                        "`fields` takes a record",
+                        e.span,
+                        "expected `{ prompt: \"…\", answer: \"…\" }`",
+                    )
+                    .with_help(
+                        "map record fields: `fields: { prompt: \"question\", answer: \"answer\" }`",
+                    ),
                 ),
             }
         }
@@ -540,13 +842,26 @@ impl Checker<'_> {
             Some((v, e.span))
         });
         let gpu = opts.entries.get("gpu").and_then(|e| {
-            let Some(Value::Str(s)) = self.option_value(e, &SigTy::Str) else { return None };
+            let Some(Value::Str(s)) = self.option_value(e, &SigTy::Str) else {
+                return None;
+            };
             if !braid_stdlib::DEVICES.contains(&s.as_str()) {
                 let help = match closest(&s, braid_stdlib::DEVICES) {
-                    Some(x) => format!("did you mean \"{x}\"? Known GPUs: {}", braid_stdlib::DEVICES.join(", ")),
+                    Some(x) => format!(
+                        "did you mean \"{x}\"? Known GPUs: {}",
+                        braid_stdlib::DEVICES.join(", ")
+                    ),
                     None => format!("known GPUs: {}", braid_stdlib::DEVICES.join(", ")),
                 };
-                self.report(err(Code::E0308, format!("unknown GPU type \"{s}\""), e.span, "unknown GPU").with_help(help));
+                self.report(
+                    err(
+                        Code::E0308,
+                        format!("unknown GPU type \"{s}\""),
+                        e.span,
+                        "unknown GPU",
+                    )
+                    .with_help(help),
+                );
                 return None;
             }
             Some(s)
@@ -554,8 +869,13 @@ impl Checker<'_> {
         if cpu {
             if let Some((_, span)) = gpus {
                 self.report(
-                    err(Code::E0308, "a cluster is either `cpu` or GPUs, not both", span, "GPUs given with `cpu`")
-                        .with_help("remove `cpu`, or remove the GPU options"),
+                    err(
+                        Code::E0308,
+                        "a cluster is either `cpu` or GPUs, not both",
+                        span,
+                        "GPUs given with `cpu`",
+                    )
+                    .with_help("remove `cpu`, or remove the GPU options"),
                 );
             }
             return Some(Cluster::Cpu);
@@ -564,10 +884,19 @@ impl Checker<'_> {
         let n = nodes.map_or(1, |x| x.0);
         if g % n != 0 {
             self.report(
-                err(Code::E0411, format!("{g} GPUs cannot be spread evenly over {n} nodes"), nodes.map_or(gspan, |x| x.1), "does not divide")
-                    .with_help("make `gpus` a multiple of `nodes`"),
+                err(
+                    Code::E0411,
+                    format!("{g} GPUs cannot be spread evenly over {n} nodes"),
+                    nodes.map_or(gspan, |x| x.1),
+                    "does not divide",
+                )
+                .with_help("make `gpus` a multiple of `nodes`"),
             );
         }
-        Some(Cluster::Gpus { gpus: g, gpu: gpu.unwrap_or_else(|| "H100-80G".to_string()), nodes: n })
+        Some(Cluster::Gpus {
+            gpus: g,
+            gpu: gpu.unwrap_or_else(|| "H100-80G".to_string()),
+            nodes: n,
+        })
     }
 }

@@ -19,12 +19,39 @@ impl Checker<'_> {
     /// Checks the root file's run, cluster and schedule, and the rules on the root's items.
     pub(crate) fn root(&mut self) {
         let items = &self.modules[0].ast.items;
-        let runs: Vec<ast::Run> = items.iter().filter_map(|i| if let ast::Item::Run(r) = i { Some(r.clone()) } else { None }).collect();
-        let clusters: Vec<ast::Cluster> =
-            items.iter().filter_map(|i| if let ast::Item::Cluster(c) = i { Some(c.clone()) } else { None }).collect();
-        let schedules: Vec<ast::Schedule> =
-            items.iter().filter_map(|i| if let ast::Item::Schedule(s) = i { Some(s.clone()) } else { None }).collect();
-        let has_resources = items.iter().any(|i| matches!(i, ast::Item::Model(_) | ast::Item::Dataset(_)));
+        let runs: Vec<ast::Run> = items
+            .iter()
+            .filter_map(|i| {
+                if let ast::Item::Run(r) = i {
+                    Some(r.clone())
+                } else {
+                    None
+                }
+            })
+            .collect();
+        let clusters: Vec<ast::Cluster> = items
+            .iter()
+            .filter_map(|i| {
+                if let ast::Item::Cluster(c) = i {
+                    Some(c.clone())
+                } else {
+                    None
+                }
+            })
+            .collect();
+        let schedules: Vec<ast::Schedule> = items
+            .iter()
+            .filter_map(|i| {
+                if let ast::Item::Schedule(s) = i {
+                    Some(s.clone())
+                } else {
+                    None
+                }
+            })
+            .collect();
+        let has_resources = items
+            .iter()
+            .any(|i| matches!(i, ast::Item::Model(_) | ast::Item::Dataset(_)));
         let has_errors = items.iter().any(|i| matches!(i, ast::Item::Error(_)));
         for extra in runs.iter().skip(1) {
             let d = err(Code::E0403, "a file has more than one `run`", extra.span, "second `run`")
@@ -33,18 +60,34 @@ impl Checker<'_> {
             self.report(d);
         }
         if runs.is_empty() && has_resources && !has_errors {
-            let first = items.iter().find(|i| matches!(i, ast::Item::Model(_) | ast::Item::Dataset(_))).map(|i| i.span());
-            let span = first.map_or(Span::DUMMY, |s| Span { end: s.start, ..s });
+            let span = items
+                .iter()
+                .find_map(|i| match i {
+                    ast::Item::Model(d) | ast::Item::Dataset(d) => Some(d.name.span),
+                    _ => None,
+                })
+                .unwrap_or(Span::DUMMY);
             self.report(
                 err(Code::E0402, "this file declares models or data but has no `run`", span, "declared here without a `run`")
                     .with_help("add `run PIPELINE(args) { settings }` — for example `run grpo(policy, prompts, reward: my_reward) { steps: 100 }`"),
             );
         }
-        for (kind, spans) in [("cluster", clusters.iter().map(|c| c.span).collect::<Vec<_>>()), ("schedule", schedules.iter().map(|s| s.span).collect())] {
+        for (kind, spans) in [
+            (
+                "cluster",
+                clusters.iter().map(|c| c.span).collect::<Vec<_>>(),
+            ),
+            ("schedule", schedules.iter().map(|s| s.span).collect()),
+        ] {
             for extra in spans.iter().skip(1) {
-                let d = err(Code::E0413, format!("a file has more than one `{kind}`"), *extra, format!("second `{kind}`"))
-                    .with_label(spans[0], format!("first `{kind}`"))
-                    .with_help(format!("merge them into one `{kind}` block"));
+                let d = err(
+                    Code::E0413,
+                    format!("a file has more than one `{kind}`"),
+                    *extra,
+                    format!("second `{kind}`"),
+                )
+                .with_label(spans[0], format!("first `{kind}`"))
+                .with_help(format!("merge them into one `{kind}` block"));
                 self.report(d);
             }
         }
@@ -53,7 +96,11 @@ impl Checker<'_> {
             self.program.run = self.run(r);
         }
         if let Some(s) = schedules.first() {
-            self.schedule(s);
+            // Pins name the run's model calls; when the run itself has errors they cannot be
+            // checked, and saying so would only repeat the run's diagnostics.
+            if runs.is_empty() || self.program.run.is_some() {
+                self.schedule(s);
+            }
             self.program.schedule = Some(s.clone());
         }
         if self.program.run.is_some() {
@@ -63,17 +110,29 @@ impl Checker<'_> {
 
     fn run(&mut self, r: &ast::Run) -> Option<Run> {
         let name = r.pipeline.text();
-        let global = r.pipeline.as_single().and_then(|id| self.scopes[0].get(&id.name).copied());
+        let global = r
+            .pipeline
+            .as_single()
+            .and_then(|id| self.scopes[0].get(&id.name).copied());
         let pid = match global.map(|g| (g.def, g.span)) {
             Some((Def::Pipeline(p), span)) => {
-                self.program.references.push(Reference { span: r.pipeline.span, def: Def::Pipeline(p), def_span: span });
+                self.program.references.push(Reference {
+                    span: r.pipeline.span,
+                    def: Def::Pipeline(p),
+                    def_span: span,
+                });
                 p
             }
             Some((_, span)) => {
                 self.report(
-                    err(Code::E0408, format!("`{name}` is not a pipeline"), r.pipeline.span, "not a pipeline")
-                        .with_label(span, "declared here")
-                        .with_help("`run` takes a pipeline, such as `grpo` from `use std::grpo`"),
+                    err(
+                        Code::E0408,
+                        format!("`{name}` is not a pipeline"),
+                        r.pipeline.span,
+                        "not a pipeline",
+                    )
+                    .with_label(span, "declared here")
+                    .with_help("`run` takes a pipeline, such as `grpo` from `use std::grpo`"),
                 );
                 return None;
             }
@@ -83,11 +142,24 @@ impl Checker<'_> {
                     .filter(|(_, g)| matches!(g.def, Def::Pipeline(_)))
                     .map(|(n, _)| n.clone())
                     .collect();
-                let help = match closest(&name, &pipelines.iter().map(|s| s.as_str()).collect::<Vec<_>>()) {
+                let help = match closest(
+                    &name,
+                    &pipelines.iter().map(|s| s.as_str()).collect::<Vec<_>>(),
+                ) {
                     Some(s) => format!("did you mean `{s}`?"),
-                    None => format!("import a standard pipeline, e.g. `use std::{name}`, or define `pipeline {name}(…)`"),
+                    None => format!(
+                        "import a standard pipeline, e.g. `use std::{name}`, or define `pipeline {name}(…)`"
+                    ),
                 };
-                self.report(err(Code::E0201, format!("unknown pipeline `{name}`"), r.pipeline.span, "not defined").with_help(help));
+                self.report(
+                    err(
+                        Code::E0201,
+                        format!("unknown pipeline `{name}`"),
+                        r.pipeline.span,
+                        "not defined",
+                    )
+                    .with_help(help),
+                );
                 return None;
             }
         };
@@ -100,8 +172,24 @@ impl Checker<'_> {
                 bound[i] = Some(a);
             } else {
                 self.report(
-                    err(Code::E0303, format!("`{name}` takes {} arguments, but {} were given", pl.params.len(), r.args.positional.len()), a.span, "surplus argument")
-                        .with_help(format!("the parameters are: {}", pl.params.iter().map(|p| p.name.as_str()).collect::<Vec<_>>().join(", "))),
+                    err(
+                        Code::E0303,
+                        format!(
+                            "`{name}` takes {} arguments, but {} were given",
+                            pl.params.len(),
+                            r.args.positional.len()
+                        ),
+                        a.span,
+                        "surplus argument",
+                    )
+                    .with_help(format!(
+                        "the parameters are: {}",
+                        pl.params
+                            .iter()
+                            .map(|p| p.name.as_str())
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    )),
                 );
                 ok = false;
                 break;
@@ -111,9 +199,14 @@ impl Checker<'_> {
             match pl.params.iter().position(|p| p.name == n.name.name) {
                 Some(i) if bound[i].is_some() => {
                     self.report(
-                        err(Code::E0209, format!("argument `{}` is given twice", n.name.name), n.span, "given again")
-                            .with_label(bound[i].map_or(r.span, |e| e.span), "first given here")
-                            .with_help("give each argument once"),
+                        err(
+                            Code::E0209,
+                            format!("argument `{}` is given twice", n.name.name),
+                            n.span,
+                            "given again",
+                        )
+                        .with_label(bound[i].map_or(r.span, |e| e.span), "first given here")
+                        .with_help("give each argument once"),
                     );
                     ok = false;
                 }
@@ -124,7 +217,15 @@ impl Checker<'_> {
                         Some(s) => format!("did you mean `{s}`?"),
                         None => format!("`{name}` takes {}", names.join(", ")),
                     };
-                    self.report(err(Code::E0208, format!("`{name}` has no parameter `{}`", n.name.name), n.name.span, "unknown argument").with_help(help));
+                    self.report(
+                        err(
+                            Code::E0208,
+                            format!("`{name}` has no parameter `{}`", n.name.name),
+                            n.name.span,
+                            "unknown argument",
+                        )
+                        .with_help(help),
+                    );
                     ok = false;
                 }
             }
@@ -133,16 +234,27 @@ impl Checker<'_> {
         let mut arg_spans: Vec<Span> = Vec::new();
         for (i, p) in pl.params.iter().enumerate() {
             let Some(a) = bound[i] else {
-                match &p.default {
-                    Some(Expr { kind: ExprKind::Lit(v), .. }) => {
-                        args.push(RunArg::Value(v.clone()));
+                let ast_default = self.pipeline_asts[pid.0 as usize]
+                    .1
+                    .params
+                    .get(i)
+                    .and_then(|x| x.default.as_ref());
+                match ast_default.map(|d| self.const_eval(d, &BTreeMap::new())) {
+                    Some(Ok(v)) => {
+                        args.push(RunArg::Value(coerce(v, &p.ty)));
                         arg_spans.push(r.span);
                     }
-                    _ => {
+                    Some(Err(_)) => ok = false,
+                    None => {
                         self.report(
-                            err(Code::E0302, format!("`{name}` is missing argument `{}`", p.name), r.args.span, format!("`{}` missing", p.name))
-                                .with_label(p.span, "parameter declared here")
-                                .with_help(format!("pass it: `{}: …`", p.name)),
+                            err(
+                                Code::E0302,
+                                format!("`{name}` is missing argument `{}`", p.name),
+                                r.args.span,
+                                format!("`{}` missing", p.name),
+                            )
+                            .with_label(p.span, "parameter declared here")
+                            .with_help(format!("pass it: `{}: …`", p.name)),
                         );
                         ok = false;
                     }
@@ -173,22 +285,39 @@ impl Checker<'_> {
                     (Some(s), _) => s.ty.clone(),
                     (None, Some(_)) => SigTy::Int,
                     (None, None) => {
-                        let mut names: Vec<&str> = pl.settings.iter().map(|s| s.name.as_str()).collect();
+                        let mut names: Vec<&str> =
+                            pl.settings.iter().map(|s| s.name.as_str()).collect();
                         names.extend(braid_stdlib::RUN_SETTINGS.iter().map(|s| s.key));
                         let help = match closest(key, &names) {
-                            Some(s) => format!("did you mean `{s}`? `{name}` has the settings {}", names.join(", ")),
+                            Some(s) => format!(
+                                "did you mean `{s}`? `{name}` has the settings {}",
+                                names.join(", ")
+                            ),
                             None => format!("`{name}` has the settings {}", names.join(", ")),
                         };
-                        self.report(err(Code::E0405, format!("`{name}` has no setting `{key}`"), e.key.span, "unknown setting").with_help(help));
+                        self.report(
+                            err(
+                                Code::E0405,
+                                format!("`{name}` has no setting `{key}`"),
+                                e.key.span,
+                                "unknown setting",
+                            )
+                            .with_help(help),
+                        );
                         ok = false;
                         continue;
                     }
                 };
                 if given.contains_key(key) {
                     self.report(
-                        err(Code::E0209, format!("setting `{key}` is given twice"), e.key.span, "given again")
-                            .with_label(given[key].1, "first given here")
-                            .with_help("give each setting once"),
+                        err(
+                            Code::E0209,
+                            format!("setting `{key}` is given twice"),
+                            e.key.span,
+                            "given again",
+                        )
+                        .with_label(given[key].1, "first given here")
+                        .with_help("give each setting once"),
                     );
                     ok = false;
                     continue;
@@ -231,9 +360,17 @@ impl Checker<'_> {
                     }
                     None => {
                         self.report(
-                            err(Code::E0406, format!("`{name}` needs the setting `{}`", s.name.name), r.span, format!("`{}` not set", s.name.name))
-                                .with_label(s.name.span, "declared without a default here")
-                                .with_help(format!("set it in the run's block: `{{ {}: … }}`", s.name.name)),
+                            err(
+                                Code::E0406,
+                                format!("`{name}` needs the setting `{}`", s.name.name),
+                                r.pipeline.span,
+                                format!("`{}` not set", s.name.name),
+                            )
+                            .with_label(s.name.span, "declared without a default here")
+                            .with_help(format!(
+                                "set it in the run's block: `{{ {}: … }}`",
+                                s.name.name
+                            )),
                         );
                         ok = false;
                         None
@@ -250,7 +387,10 @@ impl Checker<'_> {
                 let Some(w) = &s.where_ else { continue };
                 if let Ok(Value::Bool(false)) = self.const_eval(w, &env) {
                     let cond = self.sources.snippet(w.span).to_string();
-                    let value = env.get(&s.name.name).map(|v| v.to_string()).unwrap_or_default();
+                    let value = env
+                        .get(&s.name.name)
+                        .map(|v| v.to_string())
+                        .unwrap_or_default();
                     let (primary, label) = match given.get(&s.name.name) {
                         Some((_, _, vspan)) => (*vspan, format!("`{}` is {value}", s.name.name)),
                         None => (r.span, format!("`{}` defaults to {value}", s.name.name)),
@@ -260,9 +400,17 @@ impl Checker<'_> {
                         .filter(|(k, _)| *k != &s.name.name && cond.contains(k.as_str()))
                         .map(|(k, (v, _, _))| format!("`{k}` is {v}"))
                         .collect();
-                    let mut d = err(Code::E0404, format!("`{}` must satisfy `{cond}`", s.name.name), primary, label)
-                        .with_label(w.span, "required here")
-                        .with_help(format!("choose a value of `{}` for which `{cond}` holds", s.name.name));
+                    let mut d = err(
+                        Code::E0404,
+                        format!("`{}` must satisfy `{cond}`", s.name.name),
+                        primary,
+                        label,
+                    )
+                    .with_label(w.span, "required here")
+                    .with_help(format!(
+                        "choose a value of `{}` for which `{cond}` holds",
+                        s.name.name
+                    ));
                     if !others.is_empty() {
                         d = d.with_note(format!("with {}", others.join(", ")));
                     }
@@ -272,14 +420,26 @@ impl Checker<'_> {
             }
         }
         self.model_rules(&pl, &args, &arg_spans);
-        ok.then_some(Run { pipeline: pid, args, settings, seed, checkpoint_every, span: r.span })
+        ok.then_some(Run {
+            pipeline: pid,
+            args,
+            settings,
+            seed,
+            checkpoint_every,
+            span: r.span,
+        })
     }
 
     fn range_check(&mut self, e: &ast::OptionEntry, v: f64, ok: bool, rule: &str) {
         if !ok {
             self.report(
-                err(Code::E0411, format!("`{}` is {v}, but it must be {rule}", e.key.name), e.span, format!("must be {rule}"))
-                    .with_help(format!("choose a value {rule}")),
+                err(
+                    Code::E0411,
+                    format!("`{}` is {v}, but it must be {rule}", e.key.name),
+                    e.span,
+                    format!("must be {rule}"),
+                )
+                .with_help(format!("choose a value {rule}")),
             );
         }
     }
@@ -289,9 +449,15 @@ impl Checker<'_> {
             ast::ExprKind::Path(path) => path.as_single().cloned(),
             _ => None,
         };
-        let global = named.as_ref().and_then(|id| self.scopes[0].get(&id.name).copied());
+        let global = named
+            .as_ref()
+            .and_then(|id| self.scopes[0].get(&id.name).copied());
         if let (Some(id), Some(g)) = (&named, global) {
-            self.program.references.push(Reference { span: id.span, def: g.def, def_span: g.span });
+            self.program.references.push(Reference {
+                span: id.span,
+                def: g.def,
+                def_span: g.span,
+            });
         }
         let what = |d: &Def| match d {
             Def::Model(_) => "a model",
@@ -309,13 +475,27 @@ impl Checker<'_> {
                 let compatible = have.params.len() == sig.params.len()
                     && have.params.iter().zip(&sig.params).all(|(a, b)| a == b)
                     && (have.ret == sig.ret
-                        || matches!((&*have.ret, &*sig.ret), (SigTy::Float | SigTy::PerSample | SigTy::Int, SigTy::Float | SigTy::PerSample)));
+                        || matches!(
+                            (&*have.ret, &*sig.ret),
+                            (
+                                SigTy::Float | SigTy::PerSample | SigTy::Int,
+                                SigTy::Float | SigTy::PerSample
+                            )
+                        ));
                 if !compatible {
                     let fspan = func.name_span;
                     self.report(
-                        err(Code::E0301, format!("`{}` has type {have}, but `{}` must be {sig}", func.name, p.name), a.span, format!("expected {sig}"))
-                            .with_label(fspan, format!("`{}` declared here", func.name))
-                            .with_help(format!("write a function of type {sig}")),
+                        err(
+                            Code::E0301,
+                            format!(
+                                "`{}` has type {have}, but `{}` must be {sig}",
+                                func.name, p.name
+                            ),
+                            a.span,
+                            format!("expected {sig}"),
+                        )
+                        .with_label(fspan, format!("`{}` declared here", func.name))
+                        .with_help(format!("write a function of type {sig}")),
                     );
                     return None;
                 }
@@ -323,31 +503,66 @@ impl Checker<'_> {
             }
             (SigTy::Model | SigTy::Dataset | SigTy::Fn(_), Some(def)) => {
                 self.report(
-                    err(Code::E0301, format!("`{}` must be {}, but this is {}", p.name, p.ty, what(&def)), a.span, format!("expected {}", p.ty))
-                        .with_label(p.span, "parameter declared here")
-                        .with_help(format!("pass {} declared in this file", match p.ty { SigTy::Model => "a model", SigTy::Dataset => "a dataset", _ => "a function" })),
+                    err(
+                        Code::E0301,
+                        format!("`{}` must be {}, but this is {}", p.name, p.ty, what(&def)),
+                        a.span,
+                        format!("expected {}", p.ty),
+                    )
+                    .with_label(p.span, "parameter declared here")
+                    .with_help(format!(
+                        "pass {} declared in this file",
+                        match p.ty {
+                            SigTy::Model => "a model",
+                            SigTy::Dataset => "a dataset",
+                            _ => "a function",
+                        }
+                    )),
                 );
                 None
             }
             (SigTy::Model | SigTy::Dataset | SigTy::Fn(_), None) => {
                 let text = self.sources.snippet(a.span).to_string();
                 self.report(
-                    err(Code::E0201, format!("unknown name `{text}`"), a.span, "not defined")
-                        .with_help(format!("`{}` takes {} declared in this file or imported", p.name, p.ty)),
+                    err(
+                        Code::E0201,
+                        format!("unknown name `{text}`"),
+                        a.span,
+                        "not defined",
+                    )
+                    .with_help(format!(
+                        "`{}` takes {} declared in this file or imported",
+                        p.name, p.ty
+                    )),
                 );
                 None
             }
             (ty, _) => match self.const_eval(a, &BTreeMap::new()) {
-                Ok(v) if crate::items::scalar_accepts(ty, &value_ty(&v)) => Some(RunArg::Value(coerce(v, ty))),
+                Ok(v) if crate::items::scalar_accepts(ty, &value_ty(&v)) => {
+                    Some(RunArg::Value(coerce(v, ty)))
+                }
                 Ok(v) => {
                     self.report(
-                        err(Code::E0301, format!("`{}` must be {ty}, not {}", p.name, value_ty(&v).describe()), a.span, format!("expected {ty}"))
-                            .with_help(format!("pass a {ty}")),
+                        err(
+                            Code::E0301,
+                            format!("`{}` must be {ty}, not {}", p.name, value_ty(&v).describe()),
+                            a.span,
+                            format!("expected {ty}"),
+                        )
+                        .with_help(format!("pass a {ty}")),
                     );
                     None
                 }
                 Err(span) => {
-                    self.report(err(Code::E0412, format!("`{}` must be a constant", p.name), span, "not a constant").with_help("pass a literal"));
+                    self.report(
+                        err(
+                            Code::E0412,
+                            format!("`{}` must be a constant", p.name),
+                            span,
+                            "not a constant",
+                        )
+                        .with_help("pass a literal"),
+                    );
                     None
                 }
             },
@@ -359,11 +574,21 @@ impl Checker<'_> {
     fn model_rules(&mut self, pl: &Pipeline, args: &[RunArg], arg_spans: &[Span]) {
         let mut reported: BTreeSet<(u32, &'static str)> = BTreeSet::new();
         for call in pl.model_calls() {
-            let Some((pi, frozen)) = pl.model_param(call.model) else { continue };
-            let Some(RunArg::Model(mid)) = args.get(pi as usize) else { continue };
+            let Some((pi, frozen)) = pl.model_param(call.model) else {
+                continue;
+            };
+            let Some(RunArg::Model(mid)) = args.get(pi as usize) else {
+                continue;
+            };
             let model = self.program.models[mid.0 as usize].clone();
-            let arg_span = arg_spans.get(pi as usize).copied().unwrap_or(model.name_span);
-            let local_name = pl.locals.get(call.model.0 as usize).map_or(String::new(), |l| l.name.clone());
+            let arg_span = arg_spans
+                .get(pi as usize)
+                .copied()
+                .unwrap_or(model.name_span);
+            let local_name = pl
+                .locals
+                .get(call.model.0 as usize)
+                .map_or(String::new(), |l| l.name.clone());
             let need = match call.op {
                 ModelOp::Generate | ModelOp::Logprobs => Some(Head::Lm),
                 ModelOp::Values => Some(Head::Value),
@@ -374,26 +599,48 @@ impl Checker<'_> {
                 if model.head != need && reported.insert((mid.0, call.op.as_str())) {
                     let d = err(
                         Code::E0410,
-                        format!("`{}` needs a model with a `{}` head, but `{}` has a `{}` head", call.op.as_str(), need.as_str(), model.name, model.head.as_str()),
+                        format!(
+                            "`{}` needs a model with a `{}` head, but `{}` has a `{}` head",
+                            call.op.as_str(),
+                            need.as_str(),
+                            model.name,
+                            model.head.as_str()
+                        ),
                         arg_span,
                         format!("`{}` has head `{}`", model.name, model.head.as_str()),
                     )
-                    .with_label(call.span, format!("`{}({local_name})` here", call.op.as_str()))
+                    .with_label(
+                        call.span,
+                        format!("`{}({local_name})` here", call.op.as_str()),
+                    )
                     .with_label(model.name_span, "model declared here")
-                    .with_help(format!("declare the model with `{{ head: {} }}`, or pass a model that has one", need.as_str()));
+                    .with_help(format!(
+                        "declare the model with `{{ head: {} }}`, or pass a model that has one",
+                        need.as_str()
+                    ));
                     self.report(d);
                 }
             }
-            if call.op == ModelOp::Train && !frozen && model.train.is_none() && reported.insert((mid.0, "train")) {
+            if call.op == ModelOp::Train
+                && !frozen
+                && model.train.is_none()
+                && reported.insert((mid.0, "train"))
+            {
                 let d = err(
                     Code::E0401,
-                    format!("model `{}` is trained by `{}` but declares no `train:`", model.name, pl.name),
+                    format!(
+                        "model `{}` is trained by `{}` but declares no `train:`",
+                        model.name, pl.name
+                    ),
                     arg_span,
                     "trained, but frozen",
                 )
                 .with_label(model.name_span, "declared without `train:` here")
                 .with_label(call.span, format!("`train({local_name})` here"))
-                .with_help(format!("make it trainable: `model {} = … {{ train: adamw(lr: 1e-5) }}`", model.name));
+                .with_help(format!(
+                    "make it trainable: `model {} = … {{ train: adamw(lr: 1e-5) }}`",
+                    model.name
+                ));
                 self.report(d);
             }
         }
@@ -401,10 +648,24 @@ impl Checker<'_> {
 
     fn unused_models(&mut self) {
         let Some(run) = &self.program.run else { return };
-        let mut used: BTreeSet<u32> = run.args.iter().filter_map(|a| if let RunArg::Model(m) = a { Some(m.0) } else { None }).collect();
+        let mut used: BTreeSet<u32> = run
+            .args
+            .iter()
+            .filter_map(|a| {
+                if let RunArg::Model(m) = a {
+                    Some(m.0)
+                } else {
+                    None
+                }
+            })
+            .collect();
         if let Some(s) = &self.program.schedule {
             for p in &s.pins {
-                if let ast::PinKind::Speculate { mode: ast::SpeculateMode::Draft(d), .. } = &p.kind {
+                if let ast::PinKind::Speculate {
+                    mode: ast::SpeculateMode::Draft(d),
+                    ..
+                } = &p.kind
+                {
                     if let Some(m) = self.program.models.iter().position(|m| m.name == d.name) {
                         used.insert(m as u32);
                     }
@@ -417,13 +678,20 @@ impl Checker<'_> {
             if m.file != root || used.contains(&(i as u32)) {
                 continue;
             }
-            let copied_by_used = self.program.models.iter().enumerate().any(|(j, o)| used.contains(&(j as u32)) && o.source == ModelSource::Frozen(ModelId(i as u32)));
+            let copied_by_used = self.program.models.iter().enumerate().any(|(j, o)| {
+                used.contains(&(j as u32)) && o.source == ModelSource::Frozen(ModelId(i as u32))
+            });
             if copied_by_used {
                 continue;
             }
             self.report(
-                err(Code::W0002, format!("model `{}` is never used by the run", m.name), m.name_span, "declared here")
-                    .with_help("pass it to the run, or remove it"),
+                err(
+                    Code::W0002,
+                    format!("model `{}` is never used by the run", m.name),
+                    m.name_span,
+                    "declared here",
+                )
+                .with_help("pass it to the run, or remove it"),
             );
         }
     }
@@ -432,8 +700,13 @@ impl Checker<'_> {
         let Some(run) = self.program.run.clone() else {
             if let Some(p) = s.pins.first() {
                 self.report(
-                    err(Code::E0501, "schedule pins need a `run` to refer to", p.span, "nothing to pin")
-                        .with_help("add a `run`, or remove the `schedule`"),
+                    err(
+                        Code::E0501,
+                        "schedule pins need a `run` to refer to",
+                        p.span,
+                        "nothing to pin",
+                    )
+                    .with_help("add a `run`, or remove the `schedule`"),
                 );
             }
             return;
@@ -442,7 +715,15 @@ impl Checker<'_> {
         let calls: Vec<(ModelOp, String, Span)> = pl
             .model_calls()
             .into_iter()
-            .map(|c| (c.op, pl.locals.get(c.model.0 as usize).map_or(String::new(), |l| l.name.clone()), c.span))
+            .map(|c| {
+                (
+                    c.op,
+                    pl.locals
+                        .get(c.model.0 as usize)
+                        .map_or(String::new(), |l| l.name.clone()),
+                    c.span,
+                )
+            })
             .collect();
         let gpus = match &self.program.cluster {
             Some(Cluster::Gpus { gpus, .. }) => Some(*gpus),
@@ -476,20 +757,40 @@ impl Checker<'_> {
                         }
                     }
                 }
-                ast::PinKind::Place { target, from, to, layout } => {
+                ast::PinKind::Place {
+                    target,
+                    from,
+                    to,
+                    layout,
+                } => {
                     self.selector(target, &calls, &pl.name);
                     if from.value >= to.value {
                         self.report(
-                            err(Code::E0503, format!("device range {}..{} is empty", from.value, to.value), from.span.to(to.span), "empty range")
-                                .with_help("ranges are half-open: `0..8` is devices 0 to 7"),
+                            err(
+                                Code::E0503,
+                                format!("device range {}..{} is empty", from.value, to.value),
+                                from.span.to(to.span),
+                                "empty range",
+                            )
+                            .with_help("ranges are half-open: `0..8` is devices 0 to 7"),
                         );
                         continue;
                     }
                     if let Some(g) = gpus {
                         if to.value > g {
                             self.report(
-                                err(Code::E0503, format!("device range {}..{} goes past the cluster's {g} device{}", from.value, to.value, if g == 1 { "" } else { "s" }), to.span, "no such device")
-                                    .with_help(format!("devices are numbered 0..{g}")),
+                                err(
+                                    Code::E0503,
+                                    format!(
+                                        "device range {}..{} goes past the cluster's {g} device{}",
+                                        from.value,
+                                        to.value,
+                                        if g == 1 { "" } else { "s" }
+                                    ),
+                                    to.span,
+                                    "no such device",
+                                )
+                                .with_help(format!("devices are numbered 0..{g}")),
                             );
                             continue;
                         }
@@ -498,7 +799,15 @@ impl Checker<'_> {
                     let count = to.value - from.value;
                     for (_, n) in layout {
                         if n.value <= 0 {
-                            self.report(err(Code::E0411, "a parallel degree must be > 0", n.span, "must be > 0").with_help("write e.g. `tp 2`"));
+                            self.report(
+                                err(
+                                    Code::E0411,
+                                    "a parallel degree must be > 0",
+                                    n.span,
+                                    "must be > 0",
+                                )
+                                .with_help("write e.g. `tp 2`"),
+                            );
                         }
                     }
                     if !layout.is_empty() && count % product != 0 {
@@ -517,8 +826,13 @@ impl Checker<'_> {
                             );
                         }
                     } else {
+                        let models: BTreeSet<&String> = calls
+                            .iter()
+                            .filter(|c| c.0 == ModelOp::Generate)
+                            .map(|c| &c.1)
+                            .collect();
                         let gens = calls.iter().filter(|c| c.0 == ModelOp::Generate).count();
-                        if gens > 1 {
+                        if models.len() > 1 {
                             self.report(
                                 err(Code::E0502, format!("`speculate` without a selector matches {gens} `generate` calls"), pin.span, "ambiguous")
                                     .with_help("name the call: `speculate generate(policy) …`"),
@@ -528,11 +842,27 @@ impl Checker<'_> {
                     match mode {
                         ast::SpeculateMode::Ngram { n, max } => {
                             if n.value <= 0 {
-                                self.report(err(Code::E0411, "an n-gram length must be > 0", n.span, "must be > 0").with_help("write e.g. `ngram(3)`"));
+                                self.report(
+                                    err(
+                                        Code::E0411,
+                                        "an n-gram length must be > 0",
+                                        n.span,
+                                        "must be > 0",
+                                    )
+                                    .with_help("write e.g. `ngram(3)`"),
+                                );
                             }
                             if let Some(m) = max {
                                 if m.value <= 0 {
-                                    self.report(err(Code::E0411, "a draft length must be > 0", m.span, "must be > 0").with_help("write e.g. `max 8`"));
+                                    self.report(
+                                        err(
+                                            Code::E0411,
+                                            "a draft length must be > 0",
+                                            m.span,
+                                            "must be > 0",
+                                        )
+                                        .with_help("write e.g. `max 8`"),
+                                    );
                                 }
                             }
                         }
@@ -550,7 +880,15 @@ impl Checker<'_> {
                 ast::PinKind::MicroBatch { target, size } => {
                     self.selector(target, &calls, &pl.name);
                     if size.value <= 0 {
-                        self.report(err(Code::E0411, "a micro-batch size must be > 0", size.span, "must be > 0").with_help("write e.g. `micro_batch train(policy) 8`"));
+                        self.report(
+                            err(
+                                Code::E0411,
+                                "a micro-batch size must be > 0",
+                                size.span,
+                                "must be > 0",
+                            )
+                            .with_help("write e.g. `micro_batch train(policy) 8`"),
+                        );
                     }
                 }
             }
@@ -558,12 +896,25 @@ impl Checker<'_> {
     }
 
     /// Checks that a selector matches exactly one model call; returns whether it matched.
-    fn selector(&mut self, sel: &ast::Selector, calls: &[(ModelOp, String, Span)], pipeline: &str) -> bool {
+    fn selector(
+        &mut self,
+        sel: &ast::Selector,
+        calls: &[(ModelOp, String, Span)],
+        pipeline: &str,
+    ) -> bool {
         let matching: Vec<&(ModelOp, String, Span)> = calls
             .iter()
-            .filter(|(op, m, _)| op.as_str() == sel.op.name && sel.model.as_ref().is_none_or(|x| x.name == *m))
+            .filter(|(op, m, _)| {
+                op.as_str() == sel.op.name && sel.model.as_ref().is_none_or(|x| x.name == *m)
+            })
             .collect();
-        let listing = calls.iter().map(|(op, m, _)| format!("{}({m})", op.as_str())).collect::<BTreeSet<_>>().into_iter().collect::<Vec<_>>().join(", ");
+        let listing = calls
+            .iter()
+            .map(|(op, m, _)| format!("{}({m})", op.as_str()))
+            .collect::<BTreeSet<_>>()
+            .into_iter()
+            .collect::<Vec<_>>()
+            .join(", ");
         match matching.len() {
             0 => {
                 let text = match &sel.model {
@@ -571,8 +922,13 @@ impl Checker<'_> {
                     None => sel.op.name.clone(),
                 };
                 self.report(
-                    err(Code::E0501, format!("`{text}` matches no model call of `{pipeline}`"), sel.span, "matches nothing")
-                        .with_help(format!("the model calls of `{pipeline}` are {listing}")),
+                    err(
+                        Code::E0501,
+                        format!("`{text}` matches no model call of `{pipeline}`"),
+                        sel.span,
+                        "matches nothing",
+                    )
+                    .with_help(format!("the model calls of `{pipeline}` are {listing}")),
                 );
                 false
             }
@@ -581,8 +937,20 @@ impl Checker<'_> {
                 let distinct: BTreeSet<&String> = matching.iter().map(|c| &c.1).collect();
                 if sel.model.is_none() && distinct.len() > 1 {
                     self.report(
-                        err(Code::E0502, format!("`{}` matches {n} model calls of `{pipeline}`", sel.op.name), sel.span, "ambiguous")
-                            .with_help(format!("name the model: one of {}", matching.iter().map(|c| format!("{}({})", c.0.as_str(), c.1)).collect::<Vec<_>>().join(", "))),
+                        err(
+                            Code::E0502,
+                            format!("`{}` matches {n} model calls of `{pipeline}`", sel.op.name),
+                            sel.span,
+                            "ambiguous",
+                        )
+                        .with_help(format!(
+                            "name the model: one of {}",
+                            matching
+                                .iter()
+                                .map(|c| format!("{}({})", c.0.as_str(), c.1))
+                                .collect::<Vec<_>>()
+                                .join(", ")
+                        )),
                     );
                     false
                 } else {

@@ -104,8 +104,18 @@ impl SigTy {
 
     /// The type names users may write.
     pub const NAMES: &'static [&'static str] = &[
-        "int", "float", "bool", "string", "Model", "Dataset", "PromptBatch", "Rollout", "Sample", "PerToken",
-        "PerSample", "Loss",
+        "int",
+        "float",
+        "bool",
+        "string",
+        "Model",
+        "Dataset",
+        "PromptBatch",
+        "Rollout",
+        "Sample",
+        "PerToken",
+        "PerSample",
+        "Loss",
     ];
 
     /// Whether a parameter of this type makes a `fn` per-sample.
