@@ -307,3 +307,17 @@ fn random_cases_always_build() {
         assert_eq!(case.inputs.args.len(), case.kernel.params.len());
     }
 }
+
+#[test]
+fn braid_ir_depends_on_no_backend_front_end_or_lsp_crate() {
+    let manifest = include_str!("../../Cargo.toml");
+    for forbidden in ["pest", "tch", "torch", "cranelift", "lsp"] {
+        for line in manifest
+            .lines()
+            .filter(|l| !l.trim_start().starts_with('#'))
+        {
+            let name = line.split('=').next().unwrap_or("").trim();
+            assert!(!name.contains(forbidden), "braid-ir depends on `{name}`");
+        }
+    }
+}
