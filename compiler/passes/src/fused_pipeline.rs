@@ -736,8 +736,11 @@ struct Move {
 
 impl<'a> Annealer<'a> {
     fn propose(&mut self, orders: &mut Orders) -> Option<Move> {
-        let s = self.inst.stages;
-        let d = self.rng.below(s);
+        let d = self.rng.below(self.inst.stages);
+        self.propose_on(orders, d)
+    }
+
+    fn propose_on(&mut self, orders: &mut Orders, d: usize) -> Option<Move> {
         let order = &mut orders[d];
         let n = order.len();
         if n < 2 {
@@ -878,7 +881,16 @@ fn anneal_memory(
     while used < iterations {
         used += 1;
         let temp = t0 * (t1 / t0).powf(used as f64 / iterations as f64);
-        let Some(mv) = annealer.propose(&mut cur) else {
+        // Half the moves go to a device at the peak, where a lower peak is won or lost.
+        let proposal = if annealer.rng.below(2) == 0 {
+            let max = peaks.iter().copied().max().unwrap_or(0);
+            let at_peak: Vec<usize> = (0..peaks.len()).filter(|&d| peaks[d] == max).collect();
+            let d = at_peak[annealer.rng.below(at_peak.len())];
+            annealer.propose_on(&mut cur, d)
+        } else {
+            annealer.propose(&mut cur)
+        };
+        let Some(mv) = proposal else {
             continue;
         };
         let old_peak = peaks[mv.device];
