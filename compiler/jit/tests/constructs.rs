@@ -625,3 +625,33 @@ fn invalid_kernels_are_rejected_by_both_backends() {
         Err(braid_jit::JitError::Verify(_))
     ));
 }
+
+#[test]
+fn compiled_kernels_can_be_shared_across_threads() {
+    fn send_sync<T: Send + Sync>() {}
+    send_sync::<braid_jit::Jit>();
+    send_sync::<braid_jit::CompiledKernel>();
+    send_sync::<braid_ir::kernel::Interpreter>();
+    // And they do run from another thread.
+    let k = jit().compile(&kl(2)).expect("compiles");
+    let v = [1.0, 3.0];
+    let out = std::thread::spawn(move || {
+        braid_ir::kernel::KernelExec::run(
+            &*k,
+            &batch(1),
+            &[
+                Arg::PerToken(Ragged {
+                    values: &v,
+                    offsets: &[0, 2],
+                }),
+                Arg::PerToken(Ragged {
+                    values: &[0.0, 1.0],
+                    offsets: &[0, 2],
+                }),
+            ],
+        )
+    })
+    .join()
+    .expect("thread");
+    assert_eq!(per_token(out), vec![0.5, 2.0]);
+}
