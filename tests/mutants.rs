@@ -3,6 +3,8 @@
 //! the checker or the formatter; every diagnostic carries a code and a span inside its file;
 //! and the formatter is idempotent on every mutant it accepts. Deterministic: a fixed seed.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
 /// SplitMix64: a tiny seeded generator, so the mutants are the same on every run.

@@ -3,6 +3,8 @@
 //! `//~^ CODE` for the line above), and the rendered output is snapshotted. Every code in the
 //! table must have a fixture, a snapshot and a section in `docs/diagnostics.md`.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
@@ -29,8 +31,11 @@ fn fixtures() -> Vec<PathBuf> {
     v
 }
 
+/// (line, code) pairs: what a fixture expects, or what checking it reported.
+type Expectations = BTreeSet<(u32, String)>;
+
 /// (line, code) pairs the fixture expects.
-fn expectations(text: &str) -> BTreeSet<(u32, String)> {
+fn expectations(text: &str) -> Expectations {
     let mut out = BTreeSet::new();
     for (i, line) in text.lines().enumerate() {
         let Some(pos) = line.find("//~") else {
@@ -45,7 +50,7 @@ fn expectations(text: &str) -> BTreeSet<(u32, String)> {
     out
 }
 
-fn check_fixture(path: &Path) -> (BTreeSet<(u32, String)>, BTreeSet<(u32, String)>, String) {
+fn check_fixture(path: &Path) -> (Expectations, Expectations, String) {
     let name = path.to_string_lossy().replace('\\', "/");
     let text = std::fs::read_to_string(path).unwrap();
     let checked = braid_sema::check(&name, &text, &Disk);

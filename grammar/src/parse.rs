@@ -676,10 +676,8 @@ impl Builder<'_> {
                 Rule::params => params = self.params(c),
                 Rule::param_decl => settings.push(self.param_decl(c)),
                 Rule::local_model => models.push(self.model_decl(c)),
-                Rule::each_block => {
-                    if each.is_none() {
-                        each = Some(self.each(c));
-                    }
+                Rule::each_block if each.is_none() => {
+                    each = Some(self.each(c));
                 }
                 _ => {}
             }
@@ -1120,16 +1118,16 @@ impl Builder<'_> {
                 continue;
             }
             // After a named argument, a bare name `x` means `x: x`.
-            if let ExprKind::Path(path) = &e.kind {
-                if let Some(id) = path.as_single() {
-                    named.push(NamedArg {
-                        name: id.clone(),
-                        value: e.clone(),
-                        shorthand: true,
-                        span: e.span,
-                    });
-                    continue;
-                }
+            if let ExprKind::Path(path) = &e.kind
+                && let Some(id) = path.as_single()
+            {
+                named.push(NamedArg {
+                    name: id.clone(),
+                    value: e.clone(),
+                    shorthand: true,
+                    span: e.span,
+                });
+                continue;
             }
             let first_named = named[0].span;
             self.diags.push(
@@ -1472,25 +1470,25 @@ impl Builder<'_> {
                 rhs = self.climb(rhs, operands, ops, prec + 1, ops_seen);
             }
             let s = lhs.span.to(rhs.span);
-            if op.is_comparison() {
-                if let Some(first) = comparison_op_span(&lhs, ops_seen) {
-                    self.diags.push(
-                        Diagnostic::new(
-                            Code::E0105,
-                            "comparisons cannot be chained",
-                            op_span,
-                            "second comparison",
-                        )
-                        .with_label(first, "first comparison")
-                        .with_help("join two comparisons with `&&`: `a < b && b < c`"),
-                    );
-                    // The chain's meaning is unknown; typing it would only add a second error.
-                    lhs = Expr {
-                        kind: ExprKind::Error,
-                        span: s,
-                    };
-                    continue;
-                }
+            if op.is_comparison()
+                && let Some(first) = comparison_op_span(&lhs, ops_seen)
+            {
+                self.diags.push(
+                    Diagnostic::new(
+                        Code::E0105,
+                        "comparisons cannot be chained",
+                        op_span,
+                        "second comparison",
+                    )
+                    .with_label(first, "first comparison")
+                    .with_help("join two comparisons with `&&`: `a < b && b < c`"),
+                );
+                // The chain's meaning is unknown; typing it would only add a second error.
+                lhs = Expr {
+                    kind: ExprKind::Error,
+                    span: s,
+                };
+                continue;
             }
             ops_seen.push((s, op_span));
             lhs = Expr {

@@ -259,23 +259,24 @@ fn check_enum_arg(
         return;
     };
     let Some(Some(a)) = out.get(i) else { return };
-    if let ExprKind::Lit(Value::Str(s)) = &a.kind {
-        if !allowed.contains(&s.as_str()) && !a.span.is_dummy() {
-            let list = allowed
-                .iter()
-                .map(|x| format!("\"{x}\""))
-                .collect::<Vec<_>>()
-                .join(", ");
-            ch.report(
-                Diagnostic::new(
-                    Code::E0308,
-                    format!("`{param}` of `{}` cannot be \"{s}\"", b.name),
-                    a.span,
-                    "not an accepted value",
-                )
-                .with_help(format!("`{param}` is one of {list}")),
-            );
-        }
+    if let ExprKind::Lit(Value::Str(s)) = &a.kind
+        && !allowed.contains(&s.as_str())
+        && !a.span.is_dummy()
+    {
+        let list = allowed
+            .iter()
+            .map(|x| format!("\"{x}\""))
+            .collect::<Vec<_>>()
+            .join(", ");
+        ch.report(
+            Diagnostic::new(
+                Code::E0308,
+                format!("`{param}` of `{}` cannot be \"{s}\"", b.name),
+                a.span,
+                "not an accepted value",
+            )
+            .with_help(format!("`{param}` is one of {list}")),
+        );
     }
 }
 

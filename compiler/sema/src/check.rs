@@ -970,15 +970,15 @@ impl<'a> Checker<'a> {
                         func.params.iter().map(|p| p.default.clone()).collect();
                     let names: Vec<String> = func.params.iter().map(|p| p.name.clone()).collect();
                     cx.calls.insert(f);
-                    if let Place::Fn { .. } = cx.place {
-                        if scope != Scope::Sample {
-                            self.report(
+                    if let Place::Fn { .. } = cx.place
+                        && scope != Scope::Sample
+                    {
+                        self.report(
                                 err(Code::E0311, format!("`{name}` works over a {}, so it cannot be called for one sample", if scope == Scope::Group { "group" } else { "batch" }), id.span, "called inside a `fn`")
                                     .with_label(g.span, "declared with `over`")
                                     .with_help("call it from the pipeline body, where whole groups and batches exist"),
                             );
-                            return error_expr(span);
-                        }
+                        return error_expr(span);
                     }
                     self.call_fn(
                         cx,
@@ -1146,12 +1146,15 @@ impl<'a> Checker<'a> {
                     | (SigTy::Str, Ty::Str) => true,
                     _ => false,
                 },
-                _ => match (pty, &arg.ty) {
-                    (SigTy::Sample, Ty::Sample) | (SigTy::PerToken, Ty::Tokens) => true,
-                    (SigTy::PerSample | SigTy::Float, Ty::Int | Ty::Float) => true,
-                    (SigTy::Int, Ty::Int) | (SigTy::Bool, Ty::Bool) | (SigTy::Str, Ty::Str) => true,
-                    _ => false,
-                },
+                _ => matches!(
+                    (pty, &arg.ty),
+                    (SigTy::Sample, Ty::Sample)
+                        | (SigTy::PerToken, Ty::Tokens)
+                        | (SigTy::PerSample | SigTy::Float, Ty::Int | Ty::Float)
+                        | (SigTy::Int, Ty::Int)
+                        | (SigTy::Bool, Ty::Bool)
+                        | (SigTy::Str, Ty::Str)
+                ),
             };
             if !accepted {
                 let want = match (cx.place, pty) {

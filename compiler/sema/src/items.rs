@@ -80,10 +80,10 @@ impl<'a> Checker<'a> {
     /// Rewrites model and dataset placeholders in scopes once their ids exist.
     fn bind_resource(&mut self, name: &str, span: Span, def: Def) {
         for s in &mut self.scopes {
-            if let Some(g) = s.get_mut(name) {
-                if g.span == span {
-                    g.def = def;
-                }
+            if let Some(g) = s.get_mut(name)
+                && g.span == span
+            {
+                g.def = def;
             }
         }
     }
@@ -108,7 +108,7 @@ impl<'a> Checker<'a> {
                     self.report(d);
                 }
                 let ty = self.sig_ty(&p.ty);
-                if !matches!(ty, SigTy::Error) && !(ty.is_scalar() || ty.is_sample_valued()) {
+                if !(matches!(ty, SigTy::Error) || ty.is_scalar() || ty.is_sample_valued()) {
                     self.report(
                         err(Code::E0301, format!("a `fn` parameter cannot be a {ty}"), p.ty.span(), "not allowed here")
                             .with_help("`fn` parameters are int, float, bool, string, Sample, PerToken or PerSample; models and data belong to pipelines"),
@@ -213,13 +213,16 @@ impl<'a> Checker<'a> {
             }
             let body = self.block(&mut cx, &f.body);
             let got = body.value.ty.clone();
-            let ok = match (&ret, &got) {
-                (_, Ty::Error) | (SigTy::Error, _) => true,
-                (SigTy::PerToken, Ty::Tokens) => true,
-                (SigTy::Float | SigTy::PerSample, Ty::Int | Ty::Float) => true,
-                (SigTy::Int, Ty::Int) | (SigTy::Bool, Ty::Bool) | (SigTy::Str, Ty::Str) => true,
-                _ => false,
-            };
+            let ok = matches!(
+                (&ret, &got),
+                (_, Ty::Error)
+                    | (SigTy::Error, _)
+                    | (SigTy::PerToken, Ty::Tokens)
+                    | (SigTy::Float | SigTy::PerSample, Ty::Int | Ty::Float)
+                    | (SigTy::Int, Ty::Int)
+                    | (SigTy::Bool, Ty::Bool)
+                    | (SigTy::Str, Ty::Str)
+            );
             if !ok {
                 let d = err(
                     Code::E0301,
@@ -644,19 +647,19 @@ impl<'a> Checker<'a> {
         }
         // Training a frozen copy is an error whatever the run binds.
         for (op, l, span) in &cx.model_calls {
-            if *op == ModelOp::Train {
-                if let Some(m) = models.iter().find(|m| m.local == *l) {
-                    self.report(
-                        err(
-                            Code::E0401,
-                            format!("`{}` is a frozen copy and cannot be trained", m.name),
-                            *span,
-                            "trained here",
-                        )
-                        .with_label(m.span, "declared frozen here")
-                        .with_help("train the model it copies instead"),
-                    );
-                }
+            if *op == ModelOp::Train
+                && let Some(m) = models.iter().find(|m| m.local == *l)
+            {
+                self.report(
+                    err(
+                        Code::E0401,
+                        format!("`{}` is a frozen copy and cannot be trained", m.name),
+                        *span,
+                        "trained here",
+                    )
+                    .with_label(m.span, "declared frozen here")
+                    .with_help("train the model it copies instead"),
+                );
             }
         }
         let file = self.modules[mi].file;

@@ -306,47 +306,47 @@ impl Checker<'_> {
                     _ => Dtype::F32,
                 });
         }
-        if let Some(e) = opts.entries.get("head") {
-            if let Some(h) = self.enum_option(e, &["lm", "value", "score"]) {
-                model.head = match h.as_str() {
-                    "value" => Head::Value,
-                    "score" => Head::Score,
-                    _ => Head::Lm,
-                };
-            }
+        if let Some(e) = opts.entries.get("head")
+            && let Some(h) = self.enum_option(e, &["lm", "value", "score"])
+        {
+            model.head = match h.as_str() {
+                "value" => Head::Value,
+                "score" => Head::Score,
+                _ => Head::Lm,
+            };
         }
-        if let Some(e) = opts.entries.get("grad_clip") {
-            if let Some(v) = self.option_value(e, &SigTy::Float).and_then(|v| v.as_f64()) {
-                self.range(e, v, v > 0.0, "> 0");
-                model.grad_clip = Some(v);
-            }
+        if let Some(e) = opts.entries.get("grad_clip")
+            && let Some(v) = self.option_value(e, &SigTy::Float).and_then(|v| v.as_f64())
+        {
+            self.range(e, v, v > 0.0, "> 0");
+            model.grad_clip = Some(v);
         }
-        if let Some(e) = opts.entries.get("max_len") {
-            if let Some(v) = self.option_value(e, &SigTy::Int).and_then(|v| v.as_i64()) {
-                self.range(e, v as f64, v > 0, "> 0");
-                model.max_len = Some(v);
-            }
+        if let Some(e) = opts.entries.get("max_len")
+            && let Some(v) = self.option_value(e, &SigTy::Int).and_then(|v| v.as_i64())
+        {
+            self.range(e, v as f64, v > 0, "> 0");
+            model.max_len = Some(v);
         }
         if let Some(e) = opts.entries.get("train") {
             model.train = self.adamw(e);
         }
-        if model.train.is_some() {
-            if let ModelSource::Frozen(_) = model.source {
-                let e = opts.entries.get("train").map_or(d.span, |e| e.span);
-                self.report(
-                    err(
-                        Code::E0401,
-                        format!(
-                            "`{}` is a frozen copy and cannot declare `train:`",
-                            d.name.name
-                        ),
-                        e,
-                        "`train:` here",
-                    )
-                    .with_help("train the original model; a frozen copy is a fixed reference"),
-                );
-                model.train = None;
-            }
+        if model.train.is_some()
+            && let ModelSource::Frozen(_) = model.source
+        {
+            let e = opts.entries.get("train").map_or(d.span, |e| e.span);
+            self.report(
+                err(
+                    Code::E0401,
+                    format!(
+                        "`{}` is a frozen copy and cannot declare `train:`",
+                        d.name.name
+                    ),
+                    e,
+                    "`train:` here",
+                )
+                .with_help("train the original model; a frozen copy is a fixed reference"),
+            );
+            model.train = None;
         }
         self.program.models[index] = model;
     }
@@ -776,15 +776,15 @@ impl Checker<'_> {
             match &e.value {
                 ast::OptionValue::Record(r) => {
                     let fields = self.option_map("`fields`", Some(r), braid_stdlib::FIELD_OPTIONS);
-                    if let Some(f) = fields.entries.get("prompt") {
-                        if let Some(Value::Str(s)) = self.option_value(f, &SigTy::Str) {
-                            ds.prompt_field = s;
-                        }
+                    if let Some(f) = fields.entries.get("prompt")
+                        && let Some(Value::Str(s)) = self.option_value(f, &SigTy::Str)
+                    {
+                        ds.prompt_field = s;
                     }
-                    if let Some(f) = fields.entries.get("answer") {
-                        if let Some(Value::Str(s)) = self.option_value(f, &SigTy::Str) {
-                            ds.answer_field = s;
-                        }
+                    if let Some(f) = fields.entries.get("answer")
+                        && let Some(Value::Str(s)) = self.option_value(f, &SigTy::Str)
+                    {
+                        ds.answer_field = s;
                     }
                 }
                 _ => self.report(
@@ -800,27 +800,27 @@ impl Checker<'_> {
                 ),
             }
         }
-        if let Some(e) = opts.entries.get("shuffle") {
-            if let Some(Value::Bool(b)) = self.option_value(e, &SigTy::Bool) {
-                ds.shuffle = b;
-            }
+        if let Some(e) = opts.entries.get("shuffle")
+            && let Some(Value::Bool(b)) = self.option_value(e, &SigTy::Bool)
+        {
+            ds.shuffle = b;
         }
-        if let Some(e) = opts.entries.get("chat_template") {
-            if let Some(Value::Bool(b)) = self.option_value(e, &SigTy::Bool) {
-                ds.chat_template = b;
-            }
+        if let Some(e) = opts.entries.get("chat_template")
+            && let Some(Value::Bool(b)) = self.option_value(e, &SigTy::Bool)
+        {
+            ds.chat_template = b;
         }
-        if let Some(e) = opts.entries.get("seed") {
-            if let Some(v) = self.option_value(e, &SigTy::Int).and_then(|v| v.as_i64()) {
-                self.range(e, v as f64, v >= 0, ">= 0");
-                ds.seed = v;
-            }
+        if let Some(e) = opts.entries.get("seed")
+            && let Some(v) = self.option_value(e, &SigTy::Int).and_then(|v| v.as_i64())
+        {
+            self.range(e, v as f64, v >= 0, ">= 0");
+            ds.seed = v;
         }
-        if let Some(e) = opts.entries.get("epochs") {
-            if let Some(v) = self.option_value(e, &SigTy::Int).and_then(|v| v.as_i64()) {
-                self.range(e, v as f64, v > 0, "> 0");
-                ds.epochs = Some(v);
-            }
+        if let Some(e) = opts.entries.get("epochs")
+            && let Some(v) = self.option_value(e, &SigTy::Int).and_then(|v| v.as_i64())
+        {
+            self.range(e, v as f64, v > 0, "> 0");
+            ds.epochs = Some(v);
         }
         self.program.datasets[index] = ds;
     }

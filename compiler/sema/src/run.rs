@@ -595,31 +595,32 @@ impl Checker<'_> {
                 ModelOp::Score => Some(Head::Score),
                 ModelOp::Train => None,
             };
-            if let Some(need) = need {
-                if model.head != need && reported.insert((mid.0, call.op.as_str())) {
-                    let d = err(
-                        Code::E0410,
-                        format!(
-                            "`{}` needs a model with a `{}` head, but `{}` has a `{}` head",
-                            call.op.as_str(),
-                            need.as_str(),
-                            model.name,
-                            model.head.as_str()
-                        ),
-                        arg_span,
-                        format!("`{}` has head `{}`", model.name, model.head.as_str()),
-                    )
-                    .with_label(
-                        call.span,
-                        format!("`{}({local_name})` here", call.op.as_str()),
-                    )
-                    .with_label(model.name_span, "model declared here")
-                    .with_help(format!(
-                        "declare the model with `{{ head: {} }}`, or pass a model that has one",
-                        need.as_str()
-                    ));
-                    self.report(d);
-                }
+            if let Some(need) = need
+                && model.head != need
+                && reported.insert((mid.0, call.op.as_str()))
+            {
+                let d = err(
+                    Code::E0410,
+                    format!(
+                        "`{}` needs a model with a `{}` head, but `{}` has a `{}` head",
+                        call.op.as_str(),
+                        need.as_str(),
+                        model.name,
+                        model.head.as_str()
+                    ),
+                    arg_span,
+                    format!("`{}` has head `{}`", model.name, model.head.as_str()),
+                )
+                .with_label(
+                    call.span,
+                    format!("`{}({local_name})` here", call.op.as_str()),
+                )
+                .with_label(model.name_span, "model declared here")
+                .with_help(format!(
+                    "declare the model with `{{ head: {} }}`, or pass a model that has one",
+                    need.as_str()
+                ));
+                self.report(d);
             }
             if call.op == ModelOp::Train
                 && !frozen
@@ -665,10 +666,9 @@ impl Checker<'_> {
                     mode: ast::SpeculateMode::Draft(d),
                     ..
                 } = &p.kind
+                    && let Some(m) = self.program.models.iter().position(|m| m.name == d.name)
                 {
-                    if let Some(m) = self.program.models.iter().position(|m| m.name == d.name) {
-                        used.insert(m as u32);
-                    }
+                    used.insert(m as u32);
                 }
             }
         }
@@ -776,24 +776,24 @@ impl Checker<'_> {
                         );
                         continue;
                     }
-                    if let Some(g) = gpus {
-                        if to.value > g {
-                            self.report(
-                                err(
-                                    Code::E0503,
-                                    format!(
-                                        "device range {}..{} goes past the cluster's {g} device{}",
-                                        from.value,
-                                        to.value,
-                                        if g == 1 { "" } else { "s" }
-                                    ),
-                                    to.span,
-                                    "no such device",
-                                )
-                                .with_help(format!("devices are numbered 0..{g}")),
-                            );
-                            continue;
-                        }
+                    if let Some(g) = gpus
+                        && to.value > g
+                    {
+                        self.report(
+                            err(
+                                Code::E0503,
+                                format!(
+                                    "device range {}..{} goes past the cluster's {g} device{}",
+                                    from.value,
+                                    to.value,
+                                    if g == 1 { "" } else { "s" }
+                                ),
+                                to.span,
+                                "no such device",
+                            )
+                            .with_help(format!("devices are numbered 0..{g}")),
+                        );
+                        continue;
                     }
                     let product: i64 = layout.iter().map(|(_, n)| n.value.max(1)).product();
                     let count = to.value - from.value;
@@ -852,18 +852,18 @@ impl Checker<'_> {
                                     .with_help("write e.g. `ngram(3)`"),
                                 );
                             }
-                            if let Some(m) = max {
-                                if m.value <= 0 {
-                                    self.report(
-                                        err(
-                                            Code::E0411,
-                                            "a draft length must be > 0",
-                                            m.span,
-                                            "must be > 0",
-                                        )
-                                        .with_help("write e.g. `max 8`"),
-                                    );
-                                }
+                            if let Some(m) = max
+                                && m.value <= 0
+                            {
+                                self.report(
+                                    err(
+                                        Code::E0411,
+                                        "a draft length must be > 0",
+                                        m.span,
+                                        "must be > 0",
+                                    )
+                                    .with_help("write e.g. `max 8`"),
+                                );
                             }
                         }
                         ast::SpeculateMode::Draft(d) => {
