@@ -70,7 +70,7 @@ impl Default for SearchOptions {
     fn default() -> SearchOptions {
         SearchOptions {
             seed: 0x5EED,
-            improvement_rounds: 300,
+            improvement_rounds: 600,
             latency_iterations: 60_000,
             memory_iterations: 60_000,
         }
