@@ -42,8 +42,12 @@ pub(crate) struct Layout {
     pub slot: Vec<Option<usize>>,
     /// Per IR value: its index among the scope reductions.
     pub reduction: Vec<Option<usize>>,
-    /// The scope reductions' arguments and whether each is per-token.
-    pub reductions: Vec<(Value, bool)>,
+    /// The scope reductions' arguments, whether each is per-token, and each one's scope level.
+    pub reductions: Vec<(Value, bool, u32)>,
+    /// The scope level of each value (`braid_ir::kernel::verify::scope_levels`).
+    pub level: Vec<u32>,
+    /// The highest scope level: the number of pre-passes.
+    pub max_level: u32,
 }
 
 impl Layout {
@@ -57,19 +61,22 @@ impl Layout {
                 n_scratch += 1;
             }
         }
+        let level = braid_ir::kernel::verify::scope_levels(k);
         let mut reduction = vec![None; k.insts.len()];
         let mut reductions = Vec::new();
         for (r, v) in k.scope_reductions().into_iter().enumerate() {
             reduction[v.index()] = Some(r);
             if let Op::ScopeReduce(_, arg) = k.insts[v.index()].op {
-                reductions.push((arg, k.ty(arg) == Some(Ty::Tokens)));
+                reductions.push((arg, k.ty(arg) == Some(Ty::Tokens), level[v.index()]));
             }
         }
         Layout {
             n_scratch,
             slot,
             reduction,
+            max_level: reductions.iter().map(|r| r.2).max().unwrap_or(0),
             reductions,
+            level,
         }
     }
 }
@@ -114,12 +121,11 @@ pub(crate) fn declare_imports(m: &mut JITModule) -> Result<Imports, JitError> {
     })
 }
 
-/// Builds and defines one kernel function (`prepass` selects the pre-pass).
+/// Builds and defines one kernel function: `main`, or pre-pass `Some(level)`.
 /// What [`define`] compiles: a verified kernel with its layout.
 pub(crate) struct Unit<'a> {
     pub kernel: &'a Kernel,
     pub layout: &'a Layout,
-    pub scope_dep: &'a [bool],
     pub imports: Imports,
 }
 
@@ -128,15 +134,18 @@ pub(crate) fn define(
     ctx: &mut Context,
     fctx: &mut FunctionBuilderContext,
     unit: &Unit<'_>,
-    prepass: bool,
+    prepass: Option<u32>,
 ) -> Result<FuncId, JitError> {
-    let (k, layout, scope_dep, imports) = (unit.kernel, unit.layout, unit.scope_dep, unit.imports);
+    let (k, layout, imports) = (unit.kernel, unit.layout, unit.imports);
     let tc = m.target_config();
     let mut sig = m.make_signature();
     sig.params.push(AbiParam::new(tc.pointer_type()));
-    let name = if prepass { "prepass" } else { "main" };
+    let name = match prepass {
+        Some(l) => format!("prepass{l}"),
+        None => "main".to_string(),
+    };
     let id = m
-        .declare_function(name, Linkage::Local, &sig)
+        .declare_function(&name, Linkage::Local, &sig)
         .map_err(|e| JitError::Codegen(e.to_string()))?;
     ctx.func.signature = sig;
     ctx.func.name = UserFuncName::user(0, id.as_u32());
@@ -172,13 +181,12 @@ pub(crate) fn define(
             slots,
             slot_base,
             layout,
-            scope_dep,
             prepass,
             fr,
         };
         g.insts(k.entry)?;
-        if prepass {
-            g.write_reduction_args()?;
+        if let Some(level) = prepass {
+            g.write_reduction_args(level)?;
         } else {
             g.write_result()?;
         }
@@ -209,8 +217,8 @@ struct Gen<'a, 'b> {
     slots: ir::Value,
     slot_base: Vec<Option<ir::Value>>,
     layout: &'a Layout,
-    scope_dep: &'a [bool],
-    prepass: bool,
+    /// `Some(L)` in pre-pass `L`: values of scope level `L` or more are not computed.
+    prepass: Option<u32>,
     fr: FuncRefs,
 }
 
@@ -311,7 +319,10 @@ impl Gen<'_, '_> {
             .block(id)
             .ok_or_else(|| JitError::Codegen(format!("no block{}", id.0)))?;
         for &x in &block.insts {
-            if self.prepass && self.scope_dep.get(x.index()).copied().unwrap_or(false) {
+            if self
+                .prepass
+                .is_some_and(|l| self.layout.level.get(x.index()).copied().unwrap_or(0) >= l)
+            {
                 continue;
             }
             let v = self.inst(x)?;
@@ -367,12 +378,15 @@ impl Gen<'_, '_> {
         }
     }
 
-    fn write_reduction_args(&mut self) -> Result<(), JitError> {
+    fn write_reduction_args(&mut self, level: u32) -> Result<(), JitError> {
         let table = self
             .b
             .ins()
             .load(I64, Self::trusted(), self.frame, OFF_RED_OUT);
-        for (r, &(arg, _)) in self.layout.reductions.iter().enumerate() {
+        for (r, &(arg, _, l)) in self.layout.reductions.iter().enumerate() {
+            if l != level {
+                continue;
+            }
             let dst = self
                 .b
                 .ins()

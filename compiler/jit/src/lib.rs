@@ -133,33 +133,33 @@ impl Jit {
         );
         let mut module = JITModule::new(jb);
         let layout = Layout::of(kernel);
-        let scope_dep = verify::scope_dependent(kernel);
         let imports = codegen::declare_imports(&mut module)?;
         let unit = codegen::Unit {
             kernel,
             layout: &layout,
-            scope_dep: &scope_dep,
             imports,
         };
         let mut ctx = module.make_context();
         let mut fctx = FunctionBuilderContext::new();
-        let main_id = codegen::define(&mut module, &mut ctx, &mut fctx, &unit, false)?;
-        let pre_id = if layout.reductions.is_empty() {
-            None
-        } else {
-            Some(codegen::define(
+        let main_id = codegen::define(&mut module, &mut ctx, &mut fctx, &unit, None)?;
+        let mut pre_ids = Vec::new();
+        for level in 1..=layout.max_level {
+            pre_ids.push(codegen::define(
                 &mut module,
                 &mut ctx,
                 &mut fctx,
                 &unit,
-                true,
-            )?)
-        };
+                Some(level),
+            )?);
+        }
         module
             .finalize_definitions()
             .map_err(|e| JitError::Codegen(e.to_string()))?;
         let main = native::kernel_fn(&module, main_id);
-        let prepass = pre_id.map(|id| native::kernel_fn(&module, id));
+        let prepass = pre_ids
+            .into_iter()
+            .map(|id| native::kernel_fn(&module, id))
+            .collect();
         let result_kind = kernel
             .result_kind()
             .ok_or_else(|| JitError::Codegen("the kernel has no result".into()))?;
@@ -182,7 +182,8 @@ pub struct CompiledKernel {
     layout: Layout,
     result_kind: ResultKind,
     main: KernelFn,
-    prepass: Option<KernelFn>,
+    /// Pre-pass `L` is `prepass[L - 1]`.
+    prepass: Vec<KernelFn>,
     /// Owns the code `main` and `prepass` point into; freed on drop.
     module: Mutex<Option<JITModule>>,
 }
@@ -284,15 +285,30 @@ impl JitEval<'_> {
 }
 
 impl SampleEval for JitEval<'_> {
-    fn prepass(&mut self, s: &SampleCtx<'_>, outs: &mut [&mut [f64]]) -> Result<(), RunError> {
-        let Some(f) = self.ck.prepass else {
-            return Ok(());
+    fn prepass(
+        &mut self,
+        level: u32,
+        s: &SampleCtx<'_>,
+        scope_vals: &[f64],
+        outs: &mut [&mut [f64]],
+    ) -> Result<(), RunError> {
+        let Some(&f) = (level as usize)
+            .checked_sub(1)
+            .and_then(|i| self.ck.prepass.get(i))
+        else {
+            return Err(refuse(s, format!("no pre-pass {level}")));
         };
         self.prepare(s)?;
-        if outs.len() != self.red_ptrs.len() {
+        if outs.len() != self.red_ptrs.len() || scope_vals.len() != self.red_ptrs.len() {
             return Err(refuse(s, "wrong number of reduction buffers".into()));
         }
-        for (r, (o, &(_, tokens))) in outs.iter_mut().zip(&self.ck.layout.reductions).enumerate() {
+        for (r, (o, &(_, tokens, l))) in outs.iter_mut().zip(&self.ck.layout.reductions).enumerate()
+        {
+            // Pre-pass `level` writes only the arguments of this level's reductions.
+            if l != level {
+                self.red_ptrs[r] = 0;
+                continue;
+            }
             let want = if tokens { s.len } else { 1 };
             if o.len() != want {
                 return Err(refuse(
@@ -302,7 +318,7 @@ impl SampleEval for JitEval<'_> {
             }
             self.red_ptrs[r] = o.as_mut_ptr() as usize as u64;
         }
-        self.call(f, s, &mut [], &[]);
+        self.call(f, s, &mut [], scope_vals);
         Ok(())
     }
 

@@ -655,3 +655,47 @@ fn compiled_kernels_can_be_shared_across_threads() {
     .expect("thread");
     assert_eq!(per_token(out), vec![0.5, 2.0]);
 }
+
+#[test]
+fn scope_reductions_of_scope_reductions() {
+    // c = r - mean(r) over the group; c / (std(c) + 1.0) + sum(c * c): two pre-passes.
+    let mut b = KernelBuilder::new("g2", Scope::Group);
+    let r = b.param(ParamKind::PerSample);
+    let m = b.scope_reduce(ReduceOp::Mean, r);
+    let c = b.sub(r, m);
+    let s = b.scope_reduce(ReduceOp::Std, c);
+    let cc = b.mul(c, c);
+    let q = b.scope_reduce(ReduceOp::Sum, cc);
+    let one = b.float(1.0);
+    let den = b.add(s, one);
+    let x = b.div(c, den);
+    let out = b.add(x, q);
+    let k = b.finish(out).expect("builds");
+    let rs = [1.0, 2.5, -3.0, 10.0, 0.25];
+    let groups = [3, 1, 3, 1, 3];
+    let got = per_sample(run_both(
+        &k,
+        &Batch {
+            n_samples: 5,
+            groups: Some(&groups),
+            ..Default::default()
+        },
+        &[Arg::PerSample(&rs)],
+    ));
+    let want: Vec<f64> = (0..5)
+        .map(|i| {
+            let members: Vec<f64> = (0..5)
+                .filter(|&j| groups[j] == groups[i])
+                .map(|j| rs[j])
+                .collect();
+            let n = members.len() as f64;
+            let m = members.iter().fold(0.0, |a, x| a + x) / n;
+            let cs: Vec<f64> = members.iter().map(|x| x - m).collect();
+            let cm = cs.iter().fold(0.0, |a, x| a + x) / n;
+            let sd = (cs.iter().fold(0.0, |a, x| a + (x - cm) * (x - cm)) / n).sqrt();
+            let q = cs.iter().fold(0.0, |a, x| a + x * x);
+            (rs[i] - m) / (sd + 1.0) + q
+        })
+        .collect();
+    assert_eq!(got, want);
+}

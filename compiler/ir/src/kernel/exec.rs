@@ -152,11 +152,19 @@ impl SampleCtx<'_> {
 
 /// How a backend evaluates one sample.
 pub trait SampleEval {
-    /// The scope pre-pass: writes the argument of each scope reduction (in
-    /// [`Kernel::scope_reductions`] order) for this sample into `outs[r]` — the sample's tokens
+    /// Scope pre-pass `level` (1, 2, …; see [`super::verify::scope_levels`]): evaluates what
+    /// the values of lower levels need — `scope_vals[r]` holds the reductions of lower levels —
+    /// and writes the argument of each scope reduction `r` of this level (in
+    /// [`Kernel::scope_reductions`] order) into `outs[r]`: the sample's tokens
     /// (`outs[r].len() == s.len`) for a `Tokens` argument, else one value (an `Int` or `Bool`
-    /// converted to float).
-    fn prepass(&mut self, s: &SampleCtx<'_>, outs: &mut [&mut [f64]]) -> Result<(), RunError>;
+    /// converted to float). `outs` of other levels are empty.
+    fn prepass(
+        &mut self,
+        level: u32,
+        s: &SampleCtx<'_>,
+        scope_vals: &[f64],
+        outs: &mut [&mut [f64]],
+    ) -> Result<(), RunError>;
 
     /// Evaluates the kernel for this sample: `scope_vals[r]` is scope reduction `r` (a `Count`
     /// as a float); writes one value (per-sample kernels) or `s.len` values (per-token) to `out`.
@@ -376,46 +384,22 @@ pub fn run_kernel(
         )
     };
 
-    // The scope pre-pass and the folds of scope reductions.
+    // The scope pre-passes and the folds of scope reductions: pass `L` evaluates what the
+    // reductions of level `L` reduce (with the values of lower levels known) and folds them.
     let reductions = kernel.scope_reductions();
     let nr = reductions.len();
     let mut scope_vals = vec![0.0f64; n * nr];
     if nr > 0 {
-        let red: Vec<(ReduceOp, bool)> = reductions
+        let levels = super::verify::scope_levels(kernel);
+        let red: Vec<(ReduceOp, bool, u32)> = reductions
             .iter()
             .map(|v| match kernel.insts[v.index()].op {
-                Op::ScopeReduce(op, arg) => (op, kernel.ty(arg) == Some(Ty::Tokens)),
-                _ => (ReduceOp::Sum, false),
+                Op::ScopeReduce(op, arg) => {
+                    (op, kernel.ty(arg) == Some(Ty::Tokens), levels[v.index()])
+                }
+                _ => (ReduceOp::Sum, false, 0),
             })
             .collect();
-        let mut store: Vec<Vec<f64>> = red
-            .iter()
-            .map(|&(_, tok)| vec![0.0; if tok { total } else { n }])
-            .collect();
-        for i in 0..n {
-            fill(&mut tokens, args, i);
-            let (len, group, text) = ctx(i);
-            let s = SampleCtx {
-                index: i,
-                len,
-                group,
-                tokens: &tokens,
-                args,
-                text,
-            };
-            let mut outs: Vec<&mut [f64]> = store
-                .iter_mut()
-                .zip(&red)
-                .map(|(v, &(_, tok))| {
-                    if tok {
-                        &mut v[offsets[i]..offsets[i + 1]]
-                    } else {
-                        &mut v[i..i + 1]
-                    }
-                })
-                .collect();
-            eval.prepass(&s, &mut outs)?;
-        }
         // The samples of each scope, in ascending order.
         let scopes: Vec<Vec<usize>> = match kernel.scope {
             Scope::Group => {
@@ -428,22 +412,59 @@ pub fn run_kernel(
             }
             Scope::Batch | Scope::Sample => vec![(0..n).collect()],
         };
-        for (r, (&(op, tok), vals)) in red.iter().zip(&store).enumerate() {
-            for members in &scopes {
-                let offsets = &offsets;
-                let elems = || {
-                    members.iter().flat_map(move |&i| {
-                        let range = if tok {
-                            offsets[i]..offsets[i + 1]
-                        } else {
-                            i..i + 1
-                        };
-                        vals[range].iter().copied()
-                    })
+        let max_level = red.iter().map(|r| r.2).max().unwrap_or(0);
+        for level in 1..=max_level {
+            // Only this level's reductions get buffers; the others get empty slices.
+            let mut store: Vec<Vec<f64>> = red
+                .iter()
+                .map(|&(_, tok, l)| match (l == level, tok) {
+                    (false, _) => Vec::new(),
+                    (true, true) => vec![0.0; total],
+                    (true, false) => vec![0.0; n],
+                })
+                .collect();
+            for i in 0..n {
+                fill(&mut tokens, args, i);
+                let (len, group, text) = ctx(i);
+                let s = SampleCtx {
+                    index: i,
+                    len,
+                    group,
+                    tokens: &tokens,
+                    args,
+                    text,
                 };
-                let x = reduce(op, elems);
-                for &i in members {
-                    scope_vals[i * nr + r] = x;
+                let mut outs: Vec<&mut [f64]> = store
+                    .iter_mut()
+                    .zip(&red)
+                    .map(|(v, &(_, tok, l))| match (l == level, tok) {
+                        (false, _) => &mut v[..],
+                        (true, true) => &mut v[offsets[i]..offsets[i + 1]],
+                        (true, false) => &mut v[i..i + 1],
+                    })
+                    .collect();
+                eval.prepass(level, &s, &scope_vals[i * nr..(i + 1) * nr], &mut outs)?;
+            }
+            for (r, (&(op, tok, l), vals)) in red.iter().zip(&store).enumerate() {
+                if l != level {
+                    continue;
+                }
+                for members in &scopes {
+                    let offsets = &offsets;
+                    let elems = || {
+                        members.iter().flat_map(move |&i| {
+                            let range = if tok {
+                                offsets[i]..offsets[i + 1]
+                            } else {
+                                i..i + 1
+                            };
+                            vals[range].iter().copied()
+                        })
+                    };
+                    let x = reduce(op, elems);
+                    for &i in members {
+                        scope_vals[i * nr + r] = x;
+                    }
                 }
             }
         }

@@ -17,7 +17,7 @@ use std::rc::Rc;
 pub struct Interpreter {
     kernel: Kernel,
     host: HostFns,
-    scope_dep: Vec<bool>,
+    level: Vec<u32>,
     /// For each value: its position among the scope reductions, if it is one.
     reduction_slot: Vec<Option<usize>>,
 }
@@ -30,7 +30,7 @@ impl Interpreter {
             kernel: kernel.name.clone(),
             message: e.to_string(),
         })?;
-        let scope_dep = verify::scope_dependent(&kernel);
+        let level = verify::scope_levels(&kernel);
         let mut reduction_slot = vec![None; kernel.insts.len()];
         for (r, v) in kernel.scope_reductions().into_iter().enumerate() {
             reduction_slot[v.index()] = Some(r);
@@ -38,7 +38,7 @@ impl Interpreter {
         Ok(Interpreter {
             kernel,
             host,
-            scope_dep,
+            level,
             reduction_slot,
         })
     }
@@ -96,20 +96,26 @@ struct Eval<'a> {
 /// What the current evaluation is for.
 #[derive(Clone, Copy)]
 struct Mode<'s> {
-    /// In the pre-pass, scope-dependent values are skipped.
-    prepass: bool,
+    /// In pre-pass `L`, values of scope level `L` or more are skipped.
+    prepass: Option<u32>,
     scope_vals: &'s [f64],
 }
 
 impl SampleEval for Eval<'_> {
-    fn prepass(&mut self, s: &SampleCtx<'_>, outs: &mut [&mut [f64]]) -> Result<(), RunError> {
+    fn prepass(
+        &mut self,
+        level: u32,
+        s: &SampleCtx<'_>,
+        scope_vals: &[f64],
+        outs: &mut [&mut [f64]],
+    ) -> Result<(), RunError> {
         let k = &self.it.kernel;
         self.block(
             k.entry,
             s,
             Mode {
-                prepass: true,
-                scope_vals: &[],
+                prepass: Some(level),
+                scope_vals,
             },
         );
         for (r, v) in k.scope_reductions().into_iter().enumerate() {
@@ -120,7 +126,10 @@ impl SampleEval for Eval<'_> {
                 continue;
             };
             match val {
-                V::T(t) => out.copy_from_slice(&t[..out.len().min(t.len())]),
+                V::T(t) => {
+                    let n = out.len().min(t.len());
+                    out[..n].copy_from_slice(&t[..n]);
+                }
                 other => {
                     if let Some(o) = out.first_mut() {
                         *o = other.f();
@@ -141,7 +150,7 @@ impl SampleEval for Eval<'_> {
             self.it.kernel.entry,
             s,
             Mode {
-                prepass: false,
+                prepass: None,
                 scope_vals,
             },
         );
@@ -193,7 +202,7 @@ impl Eval<'_> {
             return V::Unset;
         };
         for &x in &block.insts {
-            if mode.prepass && self.it.scope_dep[x.index()] {
+            if mode.prepass.is_some_and(|l| self.it.level[x.index()] >= l) {
                 continue;
             }
             let v = self.inst(x, s, mode);

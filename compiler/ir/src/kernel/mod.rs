@@ -267,8 +267,9 @@ pub enum Op {
     Reduce(ReduceOp, Value),
     /// A reduction over the kernel's scope (group or batch): of a per-sample value (`Int`,
     /// `Float`, `Bool`, converted to float) over the scope's samples, or of a `Tokens` value over
-    /// all tokens of the scope's samples. Only in the entry block of group and batch kernels, and
-    /// its argument must not depend on another scope reduction.
+    /// all tokens of the scope's samples. Only in the entry block of group and batch kernels. Its
+    /// argument may depend on other scope reductions: each level of nesting is one more
+    /// pre-pass (see [`verify::scope_levels`]).
     ScopeReduce(ReduceOp, Value),
     /// Evaluates `then_block` when `cond` is true, else `else_block` (only the taken one), and
     /// yields its result. Both blocks have no parameters.

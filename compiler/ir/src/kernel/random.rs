@@ -157,7 +157,6 @@ pub fn random_case(data: &[u8]) -> Result<RandomCase, BuildError> {
     let mut g = Gen {
         u,
         b: KernelBuilder::new("random", scope),
-        dep: Vec::new(),
         budget: 24,
         sample: None,
     };
@@ -174,7 +173,6 @@ pub fn random_case(data: &[u8]) -> Result<RandomCase, BuildError> {
         };
         kinds.push(kind);
         let v = g.b.param(kind);
-        g.mark(v, false);
         pool.push(v);
     }
     if g.u.below(3) == 0 {
@@ -233,25 +231,12 @@ fn random_inputs(u: &mut Bytes<'_>, kinds: &[ParamKind]) -> OwnedInputs {
 struct Gen<'a> {
     u: Bytes<'a>,
     b: KernelBuilder,
-    /// Whether each value depends on a scope reduction (scope reductions of those are invalid).
-    dep: Vec<bool>,
     /// Instructions left to make; bounds the kernel's size whatever the bytes say.
     budget: usize,
     sample: Option<SampleParam>,
 }
 
 impl Gen<'_> {
-    fn mark(&mut self, v: Value, dep: bool) {
-        if self.dep.len() <= v.index() {
-            self.dep.resize(v.index() + 1, false);
-        }
-        self.dep[v.index()] = dep;
-    }
-
-    fn is_dep(&self, v: Value) -> bool {
-        self.dep.get(v.index()).copied().unwrap_or(false)
-    }
-
     fn of(&self, pool: &[Value], pred: impl Fn(Ty) -> bool) -> Vec<Value> {
         pool.iter()
             .copied()
@@ -329,7 +314,6 @@ impl Gen<'_> {
             }
             Ty::Tokens => return self.pick(pool, |t| t == Ty::Tokens),
         };
-        self.mark(v, false);
         Some(v)
     }
 
@@ -346,7 +330,7 @@ impl Gen<'_> {
         let made = match self.u.below(16) {
             0 => {
                 let ty = [Ty::Int, Ty::Float, Ty::Bool][self.u.below(3)];
-                self.value_of(pool, ty).map(|v| (v, self.is_dep(v)))
+                self.value_of(pool, ty)
             }
             1 | 2 => {
                 let Some(a) = self.pick(pool, Self::numeric) else {
@@ -364,14 +348,12 @@ impl Gen<'_> {
                 let Some(b) = self.pick(pool, Self::numeric) else {
                     return;
                 };
-                let d = self.is_dep(a) || self.is_dep(b);
-                Some((self.b.binary(op, a, b), d))
+                Some(self.b.binary(op, a, b))
             }
             3 => {
                 let Some(a) = self.pick(pool, Self::numeric) else {
                     return;
                 };
-                let d = self.is_dep(a);
                 let v = match self.u.below(5) {
                     0 => self.b.neg(a),
                     1 => self.b.exp(a),
@@ -379,7 +361,7 @@ impl Gen<'_> {
                     3 => self.b.sqrt(a),
                     _ => self.b.abs(a),
                 };
-                Some((v, d))
+                Some(v)
             }
             4 => {
                 let Some(a) = self.pick(pool, |t| matches!(t, Ty::Int | Ty::Float)) else {
@@ -401,14 +383,12 @@ impl Gen<'_> {
                     BinOp::Gt,
                     BinOp::Ge,
                 ][self.u.below(6)];
-                let d = self.is_dep(a) || self.is_dep(b);
-                Some((self.b.cmp(op, a, b), d))
+                Some(self.b.cmp(op, a, b))
             }
             5 => {
                 let Some(a) = self.pick(pool, |t| t == Ty::Bool) else {
                     return;
                 };
-                let d = self.is_dep(a);
                 let v = match self.u.below(3) {
                     0 => self.b.not(a),
                     1 => {
@@ -424,7 +404,7 @@ impl Gen<'_> {
                         self.b.binary(BinOp::Or, a, b)
                     }
                 };
-                Some((v, d))
+                Some(v)
             }
             6 | 7 => {
                 let Some(x) = self.pick(pool, |t| t == Ty::Tokens) else {
@@ -433,26 +413,21 @@ impl Gen<'_> {
                 let Some(i) = self.value_of(pool, Ty::Int) else {
                     return;
                 };
-                let d = self.is_dep(x) || self.is_dep(i);
-                Some((self.b.index(x, i), d))
+                Some(self.b.index(x, i))
             }
             8 => {
                 let Some(x) = self.pick(pool, |t| t == Ty::Tokens) else {
                     return;
                 };
                 let op = self.reduce_op();
-                let d = self.is_dep(x);
-                Some((self.b.reduce(op, x), d))
+                Some(self.b.reduce(op, x))
             }
             9 if top_scope && depth == 0 => {
-                let Some(x) = self.pick(pool, |t| t != Ty::Bool) else {
+                let Some(x) = self.pick(pool, |_| true) else {
                     return;
                 };
-                if self.is_dep(x) {
-                    return;
-                }
                 let op = self.reduce_op();
-                Some((self.b.scope_reduce(op, x), true))
+                Some(self.b.scope_reduce(op, x))
             }
             10 if depth < 3 => self.if_else(pool, depth, top_scope),
             11 if depth < 3 => self.scan(pool, depth, top_scope),
@@ -471,7 +446,7 @@ impl Gen<'_> {
                         None => self.b.len(),
                     },
                 };
-                Some((v, false))
+                Some(v)
             }
             13 => {
                 let Some(s) = self.sample else { return };
@@ -491,7 +466,7 @@ impl Gen<'_> {
                         .b
                         .answer_matches(s, StrField::Completion, StrField::Answer),
                 };
-                Some((v, false))
+                Some(v)
             }
             14 => {
                 let Some(x) = self.pick(pool, |t| matches!(t, Ty::Int | Ty::Float | Ty::Tokens))
@@ -504,19 +479,16 @@ impl Gen<'_> {
                 let Some(hi) = self.value_of(pool, Ty::Float) else {
                     return;
                 };
-                let d = self.is_dep(x) || self.is_dep(lo) || self.is_dep(hi);
-                Some((self.b.clamp(x, lo, hi), d))
+                Some(self.b.clamp(x, lo, hi))
             }
             _ => {
                 let Some(a) = self.pick(pool, |t| t == Ty::Int) else {
                     return;
                 };
-                let d = self.is_dep(a);
-                Some((self.b.to_float(a), d))
+                Some(self.b.to_float(a))
             }
         };
-        if let Some((v, d)) = made {
-            self.mark(v, d);
+        if let Some(v) = made {
             pool.push(v);
         }
     }
@@ -532,23 +504,19 @@ impl Gen<'_> {
         ][self.u.below(6)]
     }
 
-    /// Builds a nested block: a few steps, then a value of type `ty`; returns it and whether
-    /// anything made inside depends on a scope reduction.
-    fn nested(&mut self, pool: &[Value], depth: usize, ty: Ty, extra: &[Value]) -> (Value, bool) {
+    /// Builds a nested block: a few steps, then a value of type `ty`, which it returns.
+    fn nested(&mut self, pool: &[Value], depth: usize, ty: Ty, extra: &[Value]) -> Value {
         let mut inner: Vec<Value> = pool.iter().chain(extra).copied().collect();
-        let start = inner.len();
         for _ in 0..self.u.below(4) {
             self.step(&mut inner, depth + 1, false);
         }
-        let r = match self.value_of(&inner, ty) {
+        match self.value_of(&inner, ty) {
             Some(v) => v,
             None => self.b.float(0.0),
-        };
-        let d = inner[start..].iter().any(|v| self.is_dep(*v)) || self.is_dep(r);
-        (r, d)
+        }
     }
 
-    fn if_else(&mut self, pool: &[Value], depth: usize, _top: bool) -> Option<(Value, bool)> {
+    fn if_else(&mut self, pool: &[Value], depth: usize, _top: bool) -> Option<Value> {
         let c = self.pick(pool, |t| t == Ty::Bool)?;
         let has_tokens = self.pick(pool, |t| t == Ty::Tokens).is_some();
         let ty = match self.u.below(4) {
@@ -558,21 +526,19 @@ impl Gen<'_> {
             _ => Ty::Float,
         };
         let mut h = self.b.begin_if(c);
-        let (t, dt) = self.nested(pool, depth, ty, &[]);
+        let t = self.nested(pool, depth, ty, &[]);
         self.b.begin_else(&mut h, t);
-        let (e, de) = self.nested(pool, depth, ty, &[]);
+        let e = self.nested(pool, depth, ty, &[]);
         let v = self.b.end_if(h, e);
-        Some((v, self.is_dep(c) || dt || de))
+        Some(v)
     }
 
-    fn scan(&mut self, pool: &[Value], depth: usize, _top: bool) -> Option<(Value, bool)> {
+    fn scan(&mut self, pool: &[Value], depth: usize, _top: bool) -> Option<Value> {
         let init = self.value_of(pool, Ty::Float)?;
         let reverse = self.u.below(2) == 1;
         let (s, t, acc) = self.b.begin_scan(reverse, init);
-        self.mark(t, false);
-        self.mark(acc, false);
-        let (r, d) = self.nested(pool, depth, Ty::Float, &[t, acc]);
+        let r = self.nested(pool, depth, Ty::Float, &[t, acc]);
         let v = self.b.end_scan(s, r);
-        Some((v, d || self.is_dep(init)))
+        Some(v)
     }
 }

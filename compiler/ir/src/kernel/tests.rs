@@ -212,15 +212,16 @@ fn verifier_rejects_broken_kernels() {
     let c = b.count_regex(s, StrField::Prompt, "(");
     assert!(matches!(b.finish(c), Err(BuildError::Verify(_))));
 
-    // A scope reduction of a value that depends on another one.
-    let mut b = KernelBuilder::new("t", Scope::Batch);
-    let x = b.param(ParamKind::PerSample);
-    let m = b.scope_reduce(ReduceOp::Mean, x);
-    let d = b.sub(x, m);
-    let s = b.scope_reduce(ReduceOp::Std, d);
-    assert!(
-        matches!(b.finish(s), Err(BuildError::Verify(e)) if e.message.contains("depends on another"))
-    );
+    // A scope reduction inside an if branch.
+    let mut k = gae();
+    k.scope = Scope::Batch;
+    let body = k.blocks.len() - 1;
+    k.insts.push(Inst {
+        op: Op::ScopeReduce(ReduceOp::Sum, Value(6)),
+        ty: Ty::Float,
+    });
+    k.blocks[body].insts.push(Value(19));
+    assert!(rejected(&k).contains("outside the entry block"));
 }
 
 #[test]
@@ -320,4 +321,21 @@ fn braid_ir_depends_on_no_backend_front_end_or_lsp_crate() {
             assert!(!name.contains(forbidden), "braid-ir depends on `{name}`");
         }
     }
+}
+
+#[test]
+fn scope_levels_count_nested_scope_reductions() {
+    // c = r - mean(r); std(c) + c: mean is level 1, std level 2, the result level 2.
+    let mut b = KernelBuilder::new("t", Scope::Batch);
+    let r = b.param(ParamKind::PerSample);
+    let m = b.scope_reduce(ReduceOp::Mean, r);
+    let c = b.sub(r, m);
+    let s = b.scope_reduce(ReduceOp::Std, c);
+    let out = b.add(s, c);
+    let k = b.finish(out).unwrap();
+    let levels = verify::scope_levels(&k);
+    assert_eq!(
+        [r, m, c, s, out].map(|v| levels[v.index()]),
+        [0, 1, 1, 2, 2]
+    );
 }

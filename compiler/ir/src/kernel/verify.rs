@@ -28,8 +28,8 @@ struct Verifier<'k> {
     placed: Vec<u32>,
     /// How often each block is owned by a construct (the entry by the kernel).
     owned: Vec<u32>,
-    /// Whether each value depends on a scope reduction.
-    scope_dep: Vec<bool>,
+    /// The scope level of each value (see [`scope_levels`]).
+    level: Vec<u32>,
 }
 
 /// Verifies a kernel.
@@ -43,7 +43,7 @@ pub fn verify(k: &Kernel) -> Result<(), VerifyError> {
         visible: vec![false; k.insts.len()],
         placed: vec![0; k.insts.len()],
         owned: vec![0; k.blocks.len()],
-        scope_dep: vec![false; k.insts.len()],
+        level: vec![0; k.insts.len()],
     };
     for b in &k.blocks {
         for x in b.params.iter().chain(&b.insts) {
@@ -107,19 +107,22 @@ pub fn verify(k: &Kernel) -> Result<(), VerifyError> {
     Ok(())
 }
 
-/// Which values depend (through operands or nested blocks) on a scope reduction's result; the
-/// scope pre-pass evaluates only values that do not. `kernel` must be verified.
-pub fn scope_dependent(k: &Kernel) -> Vec<bool> {
+/// The scope level of each value: 0 for a value that depends on no scope reduction, else
+/// `1 + ` the level of the argument of the deepest scope reduction it depends on (through
+/// operands or nested blocks); a scope reduction has level `1 + level(argument)`. Pre-pass `L`
+/// evaluates the values of level `< L` and folds the reductions of level `L`. `kernel` must be
+/// verified.
+pub fn scope_levels(k: &Kernel) -> Vec<u32> {
     let mut v = Verifier {
         k,
         visible: vec![false; k.insts.len()],
         placed: vec![0; k.insts.len()],
         owned: vec![0; k.blocks.len()],
-        scope_dep: vec![false; k.insts.len()],
+        level: vec![0; k.insts.len()],
     };
     // A verified kernel passes the walk; on an unverified one the partial answer is returned.
     let _ = v.block(k.entry, 0);
-    v.scope_dep
+    v.level
 }
 
 impl Verifier<'_> {
@@ -130,9 +133,9 @@ impl Verifier<'_> {
         Ok(self.k.insts[x.index()].ty)
     }
 
-    /// Walks a block at nesting `depth`; returns whether anything in it depends on a scope
-    /// reduction. Leaves the block's values invisible afterwards.
-    fn block(&mut self, id: BlockId, depth: usize) -> Result<bool, String> {
+    /// Walks a block at nesting `depth`; returns the highest scope level of anything in it.
+    /// Leaves the block's values invisible afterwards.
+    fn block(&mut self, id: BlockId, depth: usize) -> Result<u32, String> {
         if depth > MAX_DEPTH {
             return Err(format!("if/scan nested deeper than {MAX_DEPTH}"));
         }
@@ -144,7 +147,7 @@ impl Verifier<'_> {
             Some(o) => *o += 1,
             None => return Err(format!("block{} does not exist", id.0)),
         }
-        let mut dep = false;
+        let mut dep = 0;
         for (i, p) in block.params.iter().enumerate() {
             if k.insts[p.index()].op
                 != (Op::BlockParam {
@@ -163,8 +166,8 @@ impl Verifier<'_> {
             let d = self
                 .inst(x, id, depth)
                 .map_err(|e| format!("%{}: {e}", x.0))?;
-            self.scope_dep[x.index()] = d;
-            dep |= d;
+            self.level[x.index()] = d;
+            dep = dep.max(d);
             self.visible[x.index()] = true;
         }
         let result = block
@@ -172,15 +175,15 @@ impl Verifier<'_> {
             .ok_or_else(|| format!("block{} has no result", id.0))?;
         self.ty(result)
             .map_err(|e| format!("result of block{}: {e}", id.0))?;
-        dep |= self.scope_dep[result.index()];
+        dep = dep.max(self.level[result.index()]);
         for x in block.params.iter().chain(&block.insts) {
             self.visible[x.index()] = false;
         }
         Ok(dep)
     }
 
-    /// Checks one instruction; returns whether it depends on a scope reduction.
-    fn inst(&mut self, x: Value, block: BlockId, depth: usize) -> Result<bool, String> {
+    /// Checks one instruction; returns its scope level.
+    fn inst(&mut self, x: Value, block: BlockId, depth: usize) -> Result<u32, String> {
         use Ty::*;
         let k = self.k;
         let inst = &k.insts[x.index()];
@@ -191,7 +194,7 @@ impl Verifier<'_> {
                 Err(format!("{what} (result {:?})", inst.ty))
             }
         };
-        let mut dep = false;
+        let mut dep = 0;
         match &inst.op {
             Op::ConstInt(_) => want(inst.ty == Int, "int constant")?,
             Op::ConstFloat(_) => want(inst.ty == Float, "float constant")?,
@@ -217,7 +220,7 @@ impl Verifier<'_> {
             Op::Len => want(inst.ty == Int, "len")?,
             Op::Unary(op, a) => {
                 let ta = self.ty(*a)?;
-                dep = self.scope_dep[a.index()];
+                dep = self.level[a.index()];
                 let ok = match op {
                     UnOp::Neg | UnOp::Abs => matches!(ta, Int | Float | Tokens) && inst.ty == ta,
                     UnOp::Not => ta == Bool && inst.ty == Bool,
@@ -230,7 +233,7 @@ impl Verifier<'_> {
             }
             Op::Binary(op, a, b) => {
                 let (ta, tb) = (self.ty(*a)?, self.ty(*b)?);
-                dep = self.scope_dep[a.index()] || self.scope_dep[b.index()];
+                dep = self.level[a.index()].max(self.level[b.index()]);
                 let ok = match op {
                     BinOp::And | BinOp::Or => (ta, tb, inst.ty) == (Bool, Bool, Bool),
                     BinOp::Eq | BinOp::Ne => {
@@ -257,12 +260,12 @@ impl Verifier<'_> {
             }
             Op::Index { tokens, index } => {
                 let (ta, tb) = (self.ty(*tokens)?, self.ty(*index)?);
-                dep = self.scope_dep[tokens.index()] || self.scope_dep[index.index()];
+                dep = self.level[tokens.index()].max(self.level[index.index()]);
                 want((ta, tb, inst.ty) == (Tokens, Int, Float), "index")?;
             }
             Op::Reduce(op, a) => {
                 let ta = self.ty(*a)?;
-                dep = self.scope_dep[a.index()];
+                dep = self.level[a.index()];
                 want(ta == Tokens && inst.ty == op.result_ty(), "reduce")?;
             }
             Op::ScopeReduce(op, a) => {
@@ -276,14 +279,10 @@ impl Verifier<'_> {
                     "a scope reduction outside the entry block",
                 )?;
                 want(
-                    !self.scope_dep[a.index()],
-                    "a scope reduction of a value that depends on another",
-                )?;
-                want(
                     inst.ty == op.result_ty(),
                     &format!("scope reduce of {ta:?}"),
                 )?;
-                dep = true;
+                dep = self.level[a.index()] + 1;
             }
             Op::If {
                 cond,
@@ -291,13 +290,13 @@ impl Verifier<'_> {
                 else_block,
             } => {
                 want(self.ty(*cond)? == Bool, "if condition")?;
-                dep = self.scope_dep[cond.index()];
+                dep = self.level[cond.index()];
                 for b in [*then_block, *else_block] {
                     let blk = k
                         .block(b)
                         .ok_or_else(|| format!("block{} does not exist", b.0))?;
                     want(blk.params.is_empty(), "an if branch with parameters")?;
-                    dep |= self.block(b, depth + 1)?;
+                    dep = dep.max(self.block(b, depth + 1)?);
                     let r = blk.result.map(|r| k.insts[r.index()].ty);
                     want(
                         r == Some(inst.ty),
@@ -307,13 +306,13 @@ impl Verifier<'_> {
             }
             Op::Scan { init, body, .. } => {
                 want(self.ty(*init)? == Float && inst.ty == Tokens, "scan init")?;
-                dep = self.scope_dep[init.index()];
+                dep = self.level[init.index()];
                 let blk = k
                     .block(*body)
                     .ok_or_else(|| format!("block{} does not exist", body.0))?;
                 let ptys: Vec<Ty> = blk.params.iter().map(|p| k.insts[p.index()].ty).collect();
                 want(ptys == [Int, Float], "a scan body must take (int, float)")?;
-                dep |= self.block(*body, depth + 1)?;
+                dep = dep.max(self.block(*body, depth + 1)?);
                 let r = blk.result.map(|r| k.insts[r.index()].ty);
                 want(r == Some(Float), "a scan body must yield a float")?;
             }
