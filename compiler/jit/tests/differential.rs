@@ -164,3 +164,75 @@ proptest! {
         assert_same(per_token(&out), &want);
     }
 }
+
+/// The operands of an instruction, for mutation.
+fn operands_mut(op: &mut braid_ir::kernel::Op) -> Vec<&mut braid_ir::kernel::Value> {
+    use braid_ir::kernel::Op;
+    match op {
+        Op::Unary(_, a) | Op::Reduce(_, a) | Op::ScopeReduce(_, a) => vec![a],
+        Op::Binary(_, a, b) => vec![a, b],
+        Op::Index { tokens, index } => vec![tokens, index],
+        Op::If { cond, .. } => vec![cond],
+        Op::Scan { init, .. } => vec![init],
+        _ => vec![],
+    }
+}
+
+/// Breaks a valid kernel in a small random way.
+fn mutate(k: &mut braid_ir::kernel::Kernel, u: &mut braid_ir::kernel::random::Bytes<'_>) {
+    use braid_ir::kernel::{Op, Ty, Value};
+    let n = k.insts.len();
+    let i = u.below(n);
+    match u.below(5) {
+        0 => {
+            let target = Value(u.below(n + 2) as u32);
+            let mut ops = operands_mut(&mut k.insts[i].op);
+            let j = u.below(ops.len());
+            if let Some(v) = ops.get_mut(j) {
+                **v = target;
+            }
+        }
+        1 => k.insts[i].ty = [Ty::Int, Ty::Float, Ty::Bool, Ty::Tokens][u.below(4)],
+        2 => {
+            let b = u.below(k.blocks.len());
+            let len = k.blocks[b].insts.len();
+            if len > 1 {
+                let (x, y) = (u.below(len), u.below(len));
+                k.blocks[b].insts.swap(x, y);
+            }
+        }
+        3 => {
+            if let Op::Param(p) = &mut k.insts[i].op {
+                *p = u.below(k.params.len() + 1) as u32;
+            } else {
+                k.insts[i].op = Op::Param(u.below(k.params.len() + 1) as u32);
+            }
+        }
+        _ => {
+            let b = u.below(k.blocks.len());
+            k.blocks[b].result = Some(Value(u.below(n + 1) as u32));
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, failure_persistence: None, ..ProptestConfig::default() })]
+
+    /// The verifier is the JIT's safety gate: on mutated kernels it must not panic, and whatever
+    /// it accepts must run on both backends, in agreement.
+    #[test]
+    fn verifier_guards_the_backends(bytes in proptest::collection::vec(any::<u8>(), 0..400), mutations in proptest::collection::vec(any::<u8>(), 1..16)) {
+        let mut case = random_case(&bytes).map_err(|e| TestCaseError::fail(format!("generator: {e}")))?;
+        let mut u = braid_ir::kernel::random::Bytes::new(&mutations);
+        for _ in 0..1 + u.below(3) {
+            mutate(&mut case.kernel, &mut u);
+        }
+        if braid_ir::kernel::verify(&case.kernel).is_ok() {
+            let args = case.inputs.args();
+            let _ = run_both(&case.kernel, &case.inputs.batch(), &args);
+        } else {
+            prop_assert!(braid_ir::kernel::Interpreter::new(case.kernel.clone()).is_err());
+            prop_assert!(jit().compile(&case.kernel).is_err());
+        }
+    }
+}

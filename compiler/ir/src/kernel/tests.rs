@@ -339,3 +339,18 @@ fn scope_levels_count_nested_scope_reductions() {
         [0, 1, 1, 2, 2]
     );
 }
+
+#[test]
+fn kernels_round_trip_through_json() {
+    // Kernels travel inside plans; a deserialised kernel is re-verified by every backend.
+    let k = gae();
+    let json = serde_json::to_string(&k).unwrap();
+    let back: Kernel = serde_json::from_str(&json).unwrap();
+    assert_eq!(back, k);
+    assert_eq!(back.structural_hash(), k.structural_hash());
+    let mut broken: Kernel =
+        serde_json::from_str(&json.replace("\"Param\":2", "\"Param\":9")).unwrap();
+    assert!(verify(&broken).is_err());
+    broken.entry = BlockId(77);
+    assert!(Interpreter::new(broken).is_err());
+}
