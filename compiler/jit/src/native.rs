@@ -2,8 +2,8 @@
 //! Rust function pointer, and freeing a module's code when its kernel is dropped.
 //!
 //! Everything that makes a call sound is established by the safe code around it and written
-//! down at each `unsafe` block; this module must not grow any other unsafe code.
-#![allow(unsafe_code)]
+//! down at each `unsafe` block; this module must not grow any other unsafe code. `unsafe_code`
+//! is allowed on these two functions only.
 
 use crate::frame::Frame;
 use cranelift_jit::JITModule;
@@ -17,6 +17,7 @@ pub(crate) type KernelFn = extern "C" fn(&Frame);
 /// calling convention (SystemV or its platform equivalent, which is `extern "C"`), finalised
 /// the module, and keep the module alive (not freed) while the pointer is used — the caller,
 /// `CompiledKernel`, owns both and frees the module only on drop.
+#[allow(unsafe_code)]
 pub(crate) fn kernel_fn(module: &JITModule, id: cranelift_module::FuncId) -> KernelFn {
     let code = module.get_finalized_function(id);
     // SAFETY: `code` is the entry of a function that `codegen` built with exactly one pointer-
@@ -31,6 +32,7 @@ pub(crate) fn kernel_fn(module: &JITModule, id: cranelift_module::FuncId) -> Ker
 ///
 /// Called only from `CompiledKernel`'s `Drop`, when no function pointer taken from the module
 /// can be called any more.
+#[allow(unsafe_code)]
 pub(crate) fn free(module: JITModule) {
     // SAFETY: the only pointers into this module are the `KernelFn`s of the `CompiledKernel`
     // being dropped; `&self` methods cannot run during `drop`, so none is executing or will be
