@@ -91,12 +91,11 @@ fn matmul_flops() -> f64 {
     let b = Tensor::randn([n, n], (Kind::Float, Device::Cpu));
     let _ = a.matmul(&b);
     let mut best = f64::MAX;
-    for _ in 0..5 {
+    // Best of several: on a shared machine the best run is the one least disturbed.
+    for _ in 0..6 {
         let t = Instant::now();
-        for _ in 0..4 {
-            let _ = a.matmul(&b);
-        }
-        best = best.min(t.elapsed().as_secs_f64() / 4.0);
+        let _ = a.matmul(&b);
+        best = best.min(t.elapsed().as_secs_f64());
     }
     2.0 * (n as f64).powi(3) / best
 }
