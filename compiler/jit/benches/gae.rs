@@ -1,5 +1,5 @@
-//! GAE over 512 samples × 1,024 tokens by the JIT and by the interpreter, and compile latency
-//! per kernel. Run: `cargo bench -p braid-jit --bench gae`. Results: `docs/benchmarks.md`.
+//! GAE (and the elementwise KL k3) over 512 samples × 1,024 tokens by the JIT and by the
+//! interpreter, and compile latency per kernel. Run: `cargo bench -p braid-jit --bench gae`. Results: `docs/benchmarks.md`.
 
 use braid_ir::kernel::{
     Arg, Batch, Interpreter, Kernel, KernelBuilder, KernelExec, ParamKind, Ragged, ReduceOp,
@@ -103,6 +103,20 @@ fn bench(c: &mut Criterion) {
     });
     g.bench_function("interpreter", |b| {
         b.iter(|| black_box(interp.run(&batch, black_box(&args))))
+    });
+    g.finish();
+
+    // An elementwise kernel (fusion, `exp` through the host ABI) on the same data.
+    let kl = jit.compile(&kl_k3()).expect("compiles");
+    let kl_interp = Interpreter::new(kl_k3()).expect("verifies");
+    let kl_args = &args[..2];
+    let mut g = c.benchmark_group("kl_k3_512x1024");
+    g.sample_size(10);
+    g.bench_function("jit", |b| {
+        b.iter(|| black_box(kl.run(&batch, black_box(kl_args))))
+    });
+    g.bench_function("interpreter", |b| {
+        b.iter(|| black_box(kl_interp.run(&batch, black_box(kl_args))))
     });
     g.finish();
 

@@ -2,8 +2,10 @@
 //! batch kernels, one for the scope pre-pass.
 //!
 //! Every per-token value other than a parameter is materialised into its own scratch slot of
-//! `len` floats by a loop at its definition, in the same operation order as the interpreter
-//! (elementwise operations are pure, so materialising changes no result). Every float operation
+//! `len` floats by a loop at its definition, except an elementwise operation whose only use is
+//! as an operand of another elementwise operation of the same block, which is computed inside
+//! its user's loop (fused; see `Layout::fused`). Elementwise operations are pure, so neither
+//! choice changes a result: each token sees the interpreter's operations in its order. Every float operation
 //! is the one the interpreter performs, with the same operands in the same order: IEEE add, sub,
 //! mul, div, sqrt, neg and abs are single instructions on both sides; `exp`, `log` and float `%`
 //! call the very Rust functions the interpreter calls (`braid_ir::kernel::fsem`); `min`/`max`
@@ -33,11 +35,15 @@ use cranelift_frontend::{FunctionBuilder, FunctionBuilderContext};
 use cranelift_jit::JITModule;
 use cranelift_module::{FuncId, Linkage, Module};
 
-/// Where each per-token value lives: scratch slot numbers.
+/// Where each per-token value lives: scratch slot numbers, or nowhere for a fused one.
 #[derive(Clone, Debug)]
 pub(crate) struct Layout {
     /// The number of scratch slots (each `len` floats).
     pub n_scratch: usize,
+    /// Per IR value: computed inside its user's loop instead of materialised (an elementwise
+    /// per-token operation whose only use is as an operand of another elementwise per-token
+    /// operation of the same block).
+    pub fused: Vec<bool>,
     /// Per IR value: its scratch slot, for computed per-token values.
     pub slot: Vec<Option<usize>>,
     /// Per IR value: its index among the scope reductions.
@@ -52,11 +58,12 @@ pub(crate) struct Layout {
 
 impl Layout {
     pub(crate) fn of(k: &Kernel) -> Layout {
+        let fused = fusable(k);
         let mut slot = vec![None; k.insts.len()];
         let mut n_scratch = 0;
         for (i, inst) in k.insts.iter().enumerate() {
             let computed = matches!(inst.op, Op::Unary(..) | Op::Binary(..) | Op::Scan { .. });
-            if inst.ty == Ty::Tokens && computed {
+            if inst.ty == Ty::Tokens && computed && !fused[i] {
                 slot[i] = Some(n_scratch);
                 n_scratch += 1;
             }
@@ -72,6 +79,7 @@ impl Layout {
         }
         Layout {
             n_scratch,
+            fused,
             slot,
             reduction,
             max_level: reductions.iter().map(|r| r.2).max().unwrap_or(0),
@@ -79,6 +87,63 @@ impl Layout {
             level,
         }
     }
+}
+
+/// Whether a value is an elementwise per-token operation (computed by a loop over tokens).
+fn elementwise(k: &Kernel, v: Value) -> bool {
+    k.insts
+        .get(v.index())
+        .is_some_and(|i| i.ty == Ty::Tokens && matches!(i.op, Op::Unary(..) | Op::Binary(..)))
+}
+
+/// Which values are fused into their user (see [`Layout::fused`]). Fusing changes no result:
+/// the user's loop computes, for each token, the very operations the fused value's loop would
+/// have, in the same order, from operands that are not overwritten in between (a scratch slot
+/// is written only by its own instruction, and both instructions are in one block).
+fn fusable(k: &Kernel) -> Vec<bool> {
+    let n = k.insts.len();
+    let mut uses = vec![0u32; n];
+    let mut user: Vec<Option<Value>> = vec![None; n];
+    let mut block_of = vec![usize::MAX; n];
+    for (b, block) in k.blocks.iter().enumerate() {
+        for &x in &block.insts {
+            block_of[x.index()] = b;
+        }
+        if let Some(r) = block.result {
+            // A block's result is used by a construct, never fused.
+            uses[r.index()] += 2;
+        }
+    }
+    for (i, inst) in k.insts.iter().enumerate() {
+        let operands: Vec<Value> = match &inst.op {
+            Op::Unary(_, a) | Op::Reduce(_, a) | Op::ScopeReduce(_, a) => vec![*a],
+            Op::Binary(_, a, b) => vec![*a, *b],
+            Op::Index { tokens, index } => vec![*tokens, *index],
+            Op::If { cond, .. } => vec![*cond],
+            Op::Scan { init, .. } => vec![*init],
+            _ => vec![],
+        };
+        for a in operands {
+            if let Some(u) = uses.get_mut(a.index()) {
+                *u += 1;
+                user[a.index()] = Some(Value(i as u32));
+            }
+        }
+    }
+    // Scope reductions read their arguments in the pre-pass: keep those materialised.
+    for v in k.scope_reductions() {
+        if let Op::ScopeReduce(_, a) = k.insts[v.index()].op {
+            uses[a.index()] += 2;
+        }
+    }
+    (0..n)
+        .map(|i| {
+            let v = Value(i as u32);
+            elementwise(k, v)
+                && uses[i] == 1
+                && user[i].is_some_and(|u| elementwise(k, u) && block_of[u.index()] == block_of[i])
+        })
+        .collect()
 }
 
 /// The host functions a kernel function may call, declared in the module.
@@ -266,12 +331,31 @@ impl Gen<'_, '_> {
 
     /// Element `t` of a per-token value, or the value itself for a float.
     fn elem(&mut self, v: Value, t: ir::Value) -> Result<ir::Value, JitError> {
+        if self.layout.fused.get(v.index()).copied().unwrap_or(false) {
+            return self.fused_elem(v, t);
+        }
         let x = self.val(v)?;
         Ok(if self.ty(v) == Ty::Tokens {
             self.load_tok(x, t)
         } else {
             x
         })
+    }
+
+    /// Element `t` of a fused value, computed in place (see [`Layout::fused`]).
+    fn fused_elem(&mut self, v: Value, t: ir::Value) -> Result<ir::Value, JitError> {
+        match self.k.insts[v.index()].op {
+            Op::Unary(op, a) => {
+                let e = self.elem(a, t)?;
+                self.funary(op, e)
+            }
+            Op::Binary(op, a, b) => {
+                let ea = self.elem(a, t)?;
+                let eb = self.elem(b, t)?;
+                self.fbin(op, ea, eb)
+            }
+            _ => Err(internal("fused non-elementwise", v)),
+        }
     }
 
     /// Emits a loop over `t` in `0..len` (descending when `reverse`).
@@ -573,6 +657,10 @@ impl Gen<'_, '_> {
 
     fn inst(&mut self, x: Value) -> Result<ir::Value, JitError> {
         let k = self.k;
+        if self.layout.fused.get(x.index()).copied().unwrap_or(false) {
+            // Computed inside its user's loop; this placeholder is never read (dead code).
+            return Ok(self.b.ins().iconst(I64, 0));
+        }
         let inst = &k.insts[x.index()];
         let t = Self::trusted();
         Ok(match &inst.op {
@@ -745,5 +833,32 @@ impl Gen<'_, '_> {
                 }
             }
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use braid_ir::kernel::{KernelBuilder, ParamKind, Scope};
+
+    #[test]
+    fn single_use_elementwise_chains_are_fused() {
+        // kl_k3: d = ref - logp (two uses: kept); e = exp(d) and x = e - d (one elementwise use
+        // each: fused); r = x - 1.0 (the result: kept).
+        let mut b = KernelBuilder::new("kl_k3", Scope::Sample);
+        let logp = b.param(ParamKind::PerToken);
+        let refp = b.param(ParamKind::PerToken);
+        let d = b.sub(refp, logp);
+        let e = b.exp(d);
+        let x = b.sub(e, d);
+        let one = b.float(1.0);
+        let r = b.sub(x, one);
+        let k = b.finish(r).expect("builds");
+        let l = Layout::of(&k);
+        assert_eq!(
+            [d, e, x, r].map(|v| l.fused[v.index()]),
+            [false, true, true, false]
+        );
+        assert_eq!(l.n_scratch, 2);
     }
 }
