@@ -493,18 +493,12 @@ impl<'a> Checker<'a> {
                 );
             }
             // Defaults may use earlier params; `where` conditions may use all of them.
+            // Defaults and `where` conditions are checked in the pipeline's own scope (so their
+            // locals index `Pipeline::locals`), as constants: a default sees the earlier params.
             let default = s.default.as_ref().map(|d| {
-                let mut ccx = BodyCx::new(Place::Const, mi);
-                for prev in &settings {
-                    let id = ccx.add_local(
-                        &prev.name,
-                        LocalKind::Setting(0),
-                        prev.ty.in_fn_body(),
-                        prev.span,
-                    );
-                    ccx.locals[id.0 as usize].uses += 1;
-                }
-                let x = self.expr(&mut ccx, d);
+                cx.place = Place::Const;
+                let x = self.expr(&mut cx, d);
+                cx.place = Place::Pipeline;
                 if !x.ty.is_error() && !scalar_accepts(&ty, &x.ty) {
                     self.report(
                         err(
@@ -538,13 +532,9 @@ impl<'a> Checker<'a> {
         }
         for (si, s) in p.settings.iter().enumerate() {
             if let Some(w) = &s.where_ {
-                let mut ccx = BodyCx::new(Place::Const, mi);
-                for st in &settings {
-                    let id =
-                        ccx.add_local(&st.name, LocalKind::Setting(0), st.ty.in_fn_body(), st.span);
-                    ccx.locals[id.0 as usize].uses += 1;
-                }
-                let x = self.expr(&mut ccx, w);
+                cx.place = Place::Const;
+                let x = self.expr(&mut cx, w);
+                cx.place = Place::Pipeline;
                 if !matches!(x.ty, Ty::Bool | Ty::Error) {
                     self.report(
                         err(
