@@ -11,10 +11,13 @@
 //!
 //! The search works on per-device *orders*: a schedule is, for every device, the sequence in
 //! which it runs its subtasks; start times follow from the orders by a linear-time simulation
-//! (each subtask starts when its device is free and its chain predecessor has ended). A greedy
-//! 1F1B-like list schedule gives the start; simulated annealing on latency, then on peak
-//! activation memory without losing latency, improves it. Everything is seeded and
-//! deterministic. The module must not do I/O or print: the CLI reads spec files and prints.
+//! (each subtask starts when its device is free and its chain predecessor has ended). The
+//! phases, in order (see `docs/planning.md`): an urgency-driven active list schedule; randomised
+//! forward–backward improvement; simulated annealing on latency (both stop at the
+//! [`lower_bound`]); then, never losing latency, memory-capped forward–backward rounds and
+//! simulated annealing on peak activation memory. Every result passes [`validate_schedule`].
+//! Everything is seeded and bounded by iteration counts, so results are deterministic. The
+//! module must not do I/O or print: the CLI reads spec files and prints.
 
 use std::fmt;
 

@@ -339,6 +339,23 @@ pub struct Overflow {
     pub over_by: u64,
 }
 
+impl fmt::Display for Overflow {
+    /// `needs A GB, B GB usable: over by C GB (C·10⁹ bytes), overflowing at the optimizer
+    /// state` — the planner puts this in its `E05xx` message.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let gb = |b: u64| b as f64 / 1e9;
+        write!(
+            f,
+            "needs {:.1} GB, {:.1} GB usable: over by {:.1} GB ({} bytes), overflowing at the {}",
+            gb(self.needed),
+            gb(self.usable),
+            gb(self.over_by),
+            self.over_by,
+            self.term
+        )
+    }
+}
+
 impl MemoryNeeds {
     pub fn terms(&self) -> [(MemoryTerm, u64); 5] {
         [
@@ -490,6 +507,10 @@ mod tests {
         let o = need.fits(&c.device).expect_err("too big");
         assert_eq!(o.term, MemoryTerm::OptimizerState);
         assert_eq!(o.over_by, need.total() - c.device.usable_memory());
+        let msg = o.to_string();
+        assert!(msg.starts_with("needs 1"), "{msg}");
+        assert!(msg.ends_with("overflowing at the optimizer state"), "{msg}");
+        assert!(msg.contains(&format!("({} bytes)", o.over_by)), "{msg}");
         // Sharded 8 ways it fits.
         let sharded = c.memory(
             &m,
