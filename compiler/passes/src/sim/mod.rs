@@ -338,6 +338,32 @@ mod tests {
     }
 
     #[test]
+    fn histogram_lengths_drive_the_generation() {
+        let hist = LengthDist::from_histogram("32 90\n900 10\n").expect("parses");
+        let (dag, _) = ppo(&Ppo {
+            fused: true,
+            threshold: 24,
+            lengths: hist,
+        });
+        let r = simulate(
+            &dag,
+            &SimOptions {
+                iterations: 2,
+                seed: 4,
+            },
+        )
+        .expect("runs");
+        check_timeline(&r, 8);
+        for it in &r.iterations {
+            let g = &it.generations[0];
+            assert_eq!(g.max_len, 900);
+            // About 10 % of 256 samples are long: the mean sits near 0.9·32 + 0.1·900.
+            assert!(g.mean_len > 60.0 && g.mean_len < 150.0, "{g:?}");
+            assert!(g.samples_migrated > 0 && g.samples_migrated <= 24, "{g:?}");
+        }
+    }
+
+    #[test]
     fn traces_are_well_formed() {
         let (dag, _) = ppo(&Ppo {
             fused: true,
