@@ -9,6 +9,7 @@ mod diag;
 mod fmt;
 #[cfg(feature = "runtime")]
 mod generate;
+mod sim;
 
 #[derive(Parser)]
 #[command(name = "braid", version, about = "A compiler and runtime for RLHF pipelines")]
@@ -26,6 +27,8 @@ enum Command {
     /// Sample completions from a model directory or a tiny model.
     #[cfg(feature = "runtime")]
     Generate(generate::Args),
+    /// Simulate and schedule at cluster scale without GPUs.
+    Sim(sim::Args),
 }
 
 fn main() -> ExitCode {
@@ -35,5 +38,6 @@ fn main() -> ExitCode {
         Command::Fmt(args) => fmt::run(args),
         #[cfg(feature = "runtime")]
         Command::Generate(args) => generate::run(args),
+        Command::Sim(args) => sim::run(args),
     }
 }
