@@ -2,7 +2,7 @@
 //! for snapshots, `--dump` output and error messages. It must print every field that the
 //! structural hash covers, so that two kernels with the same text have the same structure.
 
-use super::{BlockId, HostCall, Kernel, Op, ParamKind, ScalarTy, Scope, UnOp, Value};
+use super::{BlockId, HostCall, IntField, Kernel, Op, ParamKind, ScalarTy, Scope, UnOp, Value};
 use std::fmt::{self, Display, Formatter};
 
 impl Display for Kernel {
@@ -105,7 +105,13 @@ impl Kernel {
                 Op::ConstFloat(bits) => writeln!(f, "const {:?}", f64::from_bits(*bits))?,
                 Op::ConstBool(b) => writeln!(f, "const {b}")?,
                 Op::Param(n) => writeln!(f, "param p{n}")?,
-                Op::SampleInt { param, field } => writeln!(f, "sample_int p{param}.{field:?}")?,
+                Op::SampleInt { param, field } => {
+                    let name = match field {
+                        IntField::Length => "length",
+                        IntField::Group => "group",
+                    };
+                    writeln!(f, "sample_int p{param}.{name}")?
+                }
                 Op::Len => writeln!(f, "len")?,
                 Op::Unary(op, a) => {
                     let name = match op {
