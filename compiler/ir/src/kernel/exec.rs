@@ -263,7 +263,7 @@ fn needs(kernel: &Kernel) -> Needs {
 }
 
 /// Checks the inputs and runs `eval` over every sample (see the module doc).
-/// `kernel` must have passed [`super::verify`].
+/// `kernel` must have passed [`super::verify()`].
 pub fn run_kernel(
     kernel: &Kernel,
     batch: &Batch<'_>,

@@ -1,5 +1,5 @@
 //! Host built-ins: the string functions a kernel calls on a sample's text, and their one
-//! implementation, shared by the interpreter and by the JIT (which calls [`HostEnv::call`]
+//! implementation, shared by the interpreter and by the JIT (which calls [`HostFns::call`]
 //! through `extern "C"` callbacks, see `docs/kernels.md`, "Host ABI").
 //!
 //! Patterns and literals are compile-time constants of the kernel; regexes are compiled once per
