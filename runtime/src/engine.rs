@@ -212,6 +212,38 @@ pub fn spawn_generation(
     (rx, handle)
 }
 
+/// Most padding a prefill chunk may carry, as a share of its real tokens: prompts are grouped
+/// by length so that right-padding does not waste much of the prefill's compute.
+const MAX_PREFILL_PADDING: f64 = 0.1;
+
+/// Splits prompts (indices into `prompts`) into prefill batches of at most `max_batch`,
+/// grouping similar lengths: sorted by length, a batch closes when adding the next prompt
+/// would make its padding exceed `MAX_PREFILL_PADDING` of its tokens.
+fn prefill_chunks(prompts: &[Vec<i64>], which: &[usize], max_batch: usize) -> Vec<Vec<usize>> {
+    let mut sorted = which.to_vec();
+    sorted.sort_by_key(|&p| (prompts[p].len(), p));
+    let mut chunks: Vec<Vec<usize>> = Vec::new();
+    let mut current: Vec<usize> = Vec::new();
+    let mut tokens = 0usize;
+    for p in sorted {
+        let len = prompts[p].len();
+        // Sorted ascending, so `len` is the longest in the chunk if `p` joins.
+        let padded = len * (current.len() + 1);
+        let fits = current.len() < max_batch
+            && (padded - (tokens + len)) as f64 <= MAX_PREFILL_PADDING * (tokens + len) as f64;
+        if !fits && !current.is_empty() {
+            chunks.push(std::mem::take(&mut current));
+            tokens = 0;
+        }
+        current.push(p);
+        tokens += len;
+    }
+    if !current.is_empty() {
+        chunks.push(current);
+    }
+    chunks
+}
+
 fn to_host(logits: &Tensor) -> Vec<f32> {
     let flat = logits
         .to_kind(Kind::Float)
@@ -228,7 +260,8 @@ impl Generation<'_> {
 
     /// Prefills the prompts in `prompts` (indices) in right-padded batches.
     fn prefill(&mut self, prompts: &[usize]) {
-        for chunk in prompts.chunks(self.options.max_batch.max(1)) {
+        for chunk in prefill_chunks(&self.prompts, prompts, self.options.max_batch.max(1)) {
+            let chunk = chunk.as_slice();
             let lens: Vec<i64> = chunk
                 .iter()
                 .map(|&p| self.prompts[p].len() as i64)
@@ -662,6 +695,26 @@ mod tests {
         let got: Vec<Sample> = rx.iter().map(Result::unwrap).collect();
         assert_eq!(got.len(), 6);
         let (_model, _tok) = handle.join().unwrap();
+    }
+
+    #[test]
+    fn prefill_chunks_bound_padding_and_batch_size() {
+        let prompts: Vec<Vec<i64>> = [5, 40, 6, 41, 5, 100, 39]
+            .iter()
+            .map(|&n| vec![1; n])
+            .collect();
+        let chunks = prefill_chunks(&prompts, &[0, 1, 2, 3, 4, 5, 6], 2);
+        assert_eq!(
+            chunks,
+            vec![vec![0, 4], vec![2], vec![6, 1], vec![3], vec![5]]
+        );
+        let all: usize = chunks.iter().map(Vec::len).sum();
+        assert_eq!(all, 7);
+        for c in &chunks {
+            let max = c.iter().map(|&p| prompts[p].len()).max().unwrap();
+            let sum: usize = c.iter().map(|&p| prompts[p].len()).sum();
+            assert!((max * c.len() - sum) as f64 <= 0.1 * sum as f64);
+        }
     }
 
     #[test]
