@@ -15,13 +15,17 @@ export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target-rt}"
 PY=".venv/bin/python"
 export PYTHONPATH="$PWD/.pydeps${PYTHONPATH:+:$PYTHONPATH}"
 MODEL="${BENCH_MODEL_DIR:-/tmp/braid-bench-model}"
+# OpenMP threads spin while waiting by default; on a machine shared with other work (ours runs
+# other engineers' builds) two spinning threads lose their cores and throughput collapses by
+# about 10x for both engines. Passive waiting is applied to both sides alike.
+export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
 
 cargo build --release -q -p braid-runtime --example bench_generate
 BIN="$CARGO_TARGET_DIR/release/examples/bench_generate"
 [ -f "$MODEL/model.safetensors" ] || "$PY" scripts/bench_make_model.py "$MODEL"
 
 echo "machine: $(nproc) CPUs, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)"
-echo "model: $MODEL; 32 prompts x 64 new tokens; $REPEATS runs each"
+echo "model: $MODEL; 32 prompts x 64 new tokens; $REPEATS runs each; OMP_WAIT_POLICY=$OMP_WAIT_POLICY; load: $(cut -d' ' -f1-3 /proc/loadavg)"
 for threads in 1 2; do
   braid=$("$BIN" --model "$MODEL" --threads "$threads" --repeats "$REPEATS")
   hf=$("$PY" scripts/bench_hf_generate.py "$MODEL" --threads "$threads" --repeats "$REPEATS" 2>/dev/null)
