@@ -261,6 +261,9 @@ impl Tokenizer {
             return Err(Error::invalid(source, "the tokenizer has no chat template"));
         };
         let mut env = minijinja::Environment::new();
+        // Hugging Face templates are written for Jinja2 in Python and call Python string and
+        // dict methods (`.strip()`, `.startswith()`, `.items()`); pycompat provides them.
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function(
             "raise_exception",
             |msg: String| -> std::result::Result<String, minijinja::Error> {
@@ -404,6 +407,37 @@ mod tests {
             assert_eq!(hf.decode(&ids, true).unwrap(), text);
         }
         assert_eq!(hf.get_vocab_size(true), BYTE_VOCAB as usize);
+    }
+
+    #[test]
+    fn chat_templates_may_use_python_methods_and_tojson() {
+        let mut t = Tokenizer::bytes();
+        t.chat_template = Some(
+            "{% for m in messages %}{% if m.role.startswith('u') %}{{ m.content.strip() | tojson }}{% endif %}\
+             {% if loop.index > 1 %}{% break %}{% endif %}{% endfor %}{{ raise_exception('done') if add_generation_prompt }}"
+                .into(),
+        );
+        let msgs = vec![
+            ChatMessage {
+                role: "user".into(),
+                content: "  hi  ".into(),
+            },
+            ChatMessage {
+                role: "assistant".into(),
+                content: "x".into(),
+            },
+            ChatMessage {
+                role: "user".into(),
+                content: "never".into(),
+            },
+        ];
+        assert_eq!(t.apply_chat_template(&msgs, false).unwrap(), "\"hi\"");
+        let err = t
+            .apply_chat_template(&msgs, true)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(err.starts_with("tiny: chat template failed"), "{err}");
     }
 
     #[test]
