@@ -454,6 +454,8 @@ impl Iterator for Generation<'_> {
 
 #[cfg(test)]
 mod tests {
+    // Each test sets one libtorch thread: tests run in parallel threads, and OpenMP threads
+    // spinning on a small shared machine slow the suite down about tenfold.
     use super::*;
     use crate::tiny::{TinyConfig, tiny};
     use tch::Device;
@@ -501,6 +503,7 @@ mod tests {
 
     #[test]
     fn greedy_with_cache_equals_full_recompute() {
+        crate::device::set_cpu_threads(1);
         let (m, tok) = model();
         let ps = prompts(&tok, &["hello", "a much longer prompt here", "x"]);
         // Batched, with prompts of different lengths, through the cache.
@@ -513,6 +516,7 @@ mod tests {
 
     #[test]
     fn same_seed_same_text_whatever_the_batch() {
+        crate::device::set_cpu_threads(1);
         let (m, tok) = model();
         let params = SamplingParams {
             max_new_tokens: 24,
@@ -597,6 +601,7 @@ mod tests {
 
     #[test]
     fn stream_yields_each_sample_when_it_finishes() {
+        crate::device::set_cpu_threads(1);
         // With max_len 12, a 3-token prompt may generate 9 tokens and a 9-token prompt only 3.
         let small = TinyConfig {
             seed: 3,
@@ -618,6 +623,7 @@ mod tests {
 
     #[test]
     fn stops_at_eos_and_stop_strings() {
+        crate::device::set_cpu_threads(1);
         let (m, tok) = model();
         let ps = prompts(&tok, &["hello"]);
         let free = generate(&m, &tok, ps.clone(), greedy(30), EngineOptions::default()).unwrap();
@@ -649,6 +655,7 @@ mod tests {
 
     #[test]
     fn n_samples_of_a_prompt_share_its_prefill_and_differ() {
+        crate::device::set_cpu_threads(1);
         let (m, tok) = model();
         let ps = prompts(&tok, &["shared prefix"]);
         let params = SamplingParams {
@@ -683,6 +690,7 @@ mod tests {
 
     #[test]
     fn channel_stream_delivers_every_sample() {
+        crate::device::set_cpu_threads(1);
         let (m, tok) = model();
         let ps = prompts(&tok, &["a", "b", "c"]);
         let params = SamplingParams {
@@ -699,6 +707,7 @@ mod tests {
 
     #[test]
     fn prefill_chunks_bound_padding_and_batch_size() {
+        crate::device::set_cpu_threads(1);
         let prompts: Vec<Vec<i64>> = [5, 40, 6, 41, 5, 100, 39]
             .iter()
             .map(|&n| vec![1; n])
@@ -719,6 +728,7 @@ mod tests {
 
     #[test]
     fn bad_requests_are_errors() {
+        crate::device::set_cpu_threads(1);
         let (m, tok) = model();
         let err = |ps: Vec<Vec<i64>>| {
             generate(&m, &tok, ps, greedy(4), EngineOptions::default())

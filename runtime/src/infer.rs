@@ -220,6 +220,8 @@ pub fn score(rm: &Model, seqs: &[Rollout], options: &InferOptions) -> Result<Vec
 
 #[cfg(test)]
 mod tests {
+    // Each test sets one libtorch thread: tests run in parallel threads, and OpenMP threads
+    // spinning on a small shared machine slow the suite down about tenfold.
     use super::*;
     use crate::engine::{EngineOptions, generate};
     use crate::sampling::SamplingParams;
@@ -248,6 +250,7 @@ mod tests {
 
     #[test]
     fn engine_logprobs_match_batched_logprobs() {
+        crate::device::set_cpu_threads(1);
         let (m, tok) = tiny(
             &TinyConfig {
                 seed: 5,
@@ -293,6 +296,7 @@ mod tests {
 
     #[test]
     fn micro_batch_size_does_not_change_results() {
+        crate::device::set_cpu_threads(1);
         let cfg = TinyConfig {
             seed: 2,
             ..TinyConfig::default()
@@ -337,6 +341,7 @@ mod tests {
 
     #[test]
     fn logprobs_match_full_forward() {
+        crate::device::set_cpu_threads(1);
         let (m, _) = tiny(&TinyConfig::default(), Head::Lm, Device::Cpu).unwrap();
         let r = &rollouts()[0];
         let ids: Vec<i64> = r.prompt.iter().chain(&r.completion).copied().collect();
@@ -351,6 +356,7 @@ mod tests {
 
     #[test]
     fn wrong_head_and_bad_ids_are_errors() {
+        crate::device::set_cpu_threads(1);
         let (m, _) = tiny(&TinyConfig::default(), Head::Lm, Device::Cpu).unwrap();
         let msg = values(&m, &rollouts(), &InferOptions::default())
             .err()

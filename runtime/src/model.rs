@@ -864,11 +864,14 @@ fn fill_random(params: &[(String, Tensor, Init)], seed: u64) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
+    // Each test sets one libtorch thread: tests run in parallel threads, and OpenMP threads
+    // spinning on a small shared machine slow the suite down about tenfold.
     use super::*;
     use crate::tiny::{TinyConfig, tiny};
 
     #[test]
     fn gradients_reach_every_parameter() {
+        crate::device::set_cpu_threads(1);
         let (m, _) = tiny(
             &TinyConfig {
                 layers: 1,
@@ -897,6 +900,7 @@ mod tests {
 
     #[test]
     fn padding_on_either_side_does_not_change_outputs() {
+        crate::device::set_cpu_threads(1);
         let (m, _) = tiny(&TinyConfig::default(), Head::Lm, Device::Cpu).unwrap();
         let seq = [256i64, 72, 105, 33];
         let plain = tch::no_grad(|| m.forward(&Tensor::from_slice(&seq).unsqueeze(0), None));
@@ -912,6 +916,7 @@ mod tests {
 
     #[test]
     fn cache_rollback_recomputes_the_same_logits() {
+        crate::device::set_cpu_threads(1);
         let (m, _) = tiny(&TinyConfig::default(), Head::Lm, Device::Cpu).unwrap();
         let mut cache = m.new_cache(1);
         let prompt = Tensor::from_slice(&[256i64, 10, 20, 30]).unsqueeze(0);

@@ -141,11 +141,14 @@ pub fn tiny(config: &TinyConfig, head: Head, device: Device) -> Result<(Model, T
 
 #[cfg(test)]
 mod tests {
+    // Each test sets one libtorch thread: tests run in parallel threads, and OpenMP threads
+    // spinning on a small shared machine slow the suite down about tenfold.
     use super::*;
     use tch::Tensor;
 
     #[test]
     fn same_seed_same_weights_other_seed_other_weights() {
+        crate::device::set_cpu_threads(1);
         let cfg = TinyConfig {
             layers: 1,
             hidden: 16,
@@ -166,6 +169,7 @@ mod tests {
 
     #[test]
     fn inconsistent_options_are_errors() {
+        crate::device::set_cpu_threads(1);
         let err = TinyConfig {
             heads: 3,
             ..TinyConfig::default()

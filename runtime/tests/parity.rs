@@ -1,6 +1,9 @@
 //! Parity with transformers: logits and greedy generations of the fixtures made by
 //! `scripts/make_fixtures.py` (tiny random models of each supported architecture).
 
+// Each test sets one libtorch thread: tests run in parallel threads, and OpenMP threads
+// spinning on a small shared machine slow the suite down about tenfold.
+
 #![allow(clippy::unwrap_used)] // Test helpers: a failed unwrap is a failed test.
 
 use std::path::PathBuf;
@@ -93,46 +96,55 @@ fn check(name: &str) {
 
 #[test]
 fn llama_gqa_matches_transformers() {
+    braid_runtime::device::set_cpu_threads(1);
     check("llama_gqa");
 }
 
 #[test]
 fn llama_sharded_checkpoint_matches_transformers() {
+    braid_runtime::device::set_cpu_threads(1);
     check("llama_sharded");
 }
 
 #[test]
 fn llama_tied_embeddings_match_transformers() {
+    braid_runtime::device::set_cpu_threads(1);
     check("llama_tied");
 }
 
 #[test]
 fn llama3_rope_scaling_matches_transformers() {
+    braid_runtime::device::set_cpu_threads(1);
     check("llama3_rope");
 }
 
 #[test]
 fn llama_linear_rope_scaling_matches_transformers() {
+    braid_runtime::device::set_cpu_threads(1);
     check("llama_linear_rope");
 }
 
 #[test]
 fn qwen2_attention_biases_match_transformers() {
+    braid_runtime::device::set_cpu_threads(1);
     check("qwen2_bias");
 }
 
 #[test]
 fn mistral_sliding_window_matches_transformers() {
+    braid_runtime::device::set_cpu_threads(1);
     check("mistral_window");
 }
 
 #[test]
 fn gpt2_matches_transformers() {
+    braid_runtime::device::set_cpu_threads(1);
     check("gpt2");
 }
 
 #[test]
 fn reward_model_scores_match_transformers() {
+    braid_runtime::device::set_cpu_threads(1);
     let dir = fixture("llama_rm");
     let model = Model::load(
         &dir,
@@ -172,6 +184,7 @@ fn reward_model_scores_match_transformers() {
 
 #[test]
 fn bf16_and_f16_weights_give_close_logits() {
+    braid_runtime::device::set_cpu_threads(1);
     let dir = fixture("llama_gqa");
     let exp = expected("llama_gqa");
     let input = Tensor::from_slice(&ids(&exp["input_ids"])).unsqueeze(0);

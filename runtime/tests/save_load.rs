@@ -6,6 +6,9 @@
 //! transformers), or else `.venv/bin/python` with `PYTHONPATH=.pydeps` when `.pydeps/transformers`
 //! exists. Without either, the transformers check says so on stderr and skips.
 
+// Each test sets one libtorch thread: tests run in parallel threads, and OpenMP threads
+// spinning on a small shared machine slow the suite down about tenfold.
+
 #![allow(clippy::unwrap_used)] // Test helpers: a failed unwrap is a failed test.
 
 use std::path::PathBuf;
@@ -55,6 +58,7 @@ fn models() -> Vec<(&'static str, Model, Tokenizer)> {
 
 #[test]
 fn saved_models_load_back_in_braid() {
+    braid_runtime::device::set_cpu_threads(1);
     for (name, model, tok) in models() {
         let dir = scratch(name);
         save_pretrained(&model, &tok, &dir).unwrap();
@@ -118,6 +122,7 @@ fn transformers_outputs(
 
 #[test]
 fn saved_models_load_in_transformers() {
+    braid_runtime::device::set_cpu_threads(1);
     let Some(py) = python() else {
         eprintln!(
             "skipping saved_models_load_in_transformers: no transformers (set BRAID_TRANSFORMERS_PYTHON, \
