@@ -244,12 +244,13 @@ fn prefill_chunks(prompts: &[Vec<i64>], which: &[usize], max_batch: usize) -> Ve
     chunks
 }
 
-fn to_host(logits: &Tensor) -> Vec<f32> {
+/// Copies logits `[rows, V]` to the host as one flat vector of `rows × V` values.
+fn to_host(logits: &Tensor) -> Result<Vec<f32>> {
     let flat = logits
         .to_kind(Kind::Float)
         .to_device(tch::Device::Cpu)
         .reshape([-1]);
-    Vec::<f32>::try_from(&flat).unwrap_or_default()
+    Ok(Vec::<f32>::try_from(&flat)?)
 }
 
 impl Generation<'_> {
@@ -259,7 +260,7 @@ impl Generation<'_> {
     }
 
     /// Prefills the prompts in `prompts` (indices) in right-padded batches.
-    fn prefill(&mut self, prompts: &[usize]) {
+    fn prefill(&mut self, prompts: &[usize]) -> Result<()> {
         for chunk in prefill_chunks(&self.prompts, prompts, self.options.max_batch.max(1)) {
             let chunk = chunk.as_slice();
             let lens: Vec<i64> = chunk
@@ -282,7 +283,7 @@ impl Generation<'_> {
                 self.model
                     .apply_head(&hidden.index(&[Some(rows), Some(last)]))
             });
-            let flat = to_host(&logits);
+            let flat = to_host(&logits)?;
             let v = flat.len() / chunk.len().max(1);
             let rows = chunk
                 .iter()
@@ -291,14 +292,15 @@ impl Generation<'_> {
                 .collect();
             self.prefilled.push(Prefilled { cache, rows });
         }
+        Ok(())
     }
 
     /// Fills free rows with waiting samples.
-    fn admit(&mut self) {
+    fn admit(&mut self) -> Result<()> {
         loop {
             let free = self.options.max_batch.saturating_sub(self.running.len());
             if free == 0 || self.waiting.is_empty() {
-                return;
+                return Ok(());
             }
             let batch: Vec<(usize, usize)> =
                 self.waiting.drain(..free.min(self.waiting.len())).collect();
@@ -312,7 +314,7 @@ impl Generation<'_> {
                     need.push(p);
                 }
             }
-            self.prefill(&need);
+            self.prefill(&need)?;
             // Rows to copy from each prefilled batch, in admission order.
             let mut copies: Vec<Vec<usize>> = vec![Vec::new(); self.prefilled.len()];
             let mut order: Vec<(usize, Running)> = Vec::new();
@@ -399,7 +401,7 @@ impl Generation<'_> {
     }
 
     /// Decodes one token for every running sample.
-    fn decode_step(&mut self) {
+    fn decode_step(&mut self) -> Result<()> {
         let last: Vec<i64> = self
             .running
             .iter()
@@ -411,7 +413,7 @@ impl Generation<'_> {
             .model
             .forward_cached(&mut self.cache, &ids, &vec![1; rows]);
         let logits = tch::no_grad(|| self.model.apply_head(&hidden.squeeze_dim(1)));
-        let flat = to_host(&logits);
+        let flat = to_host(&logits)?;
         let v = flat.len() / rows.max(1);
         let mut keep = Vec::with_capacity(rows);
         let mut still = Vec::with_capacity(rows);
@@ -430,6 +432,7 @@ impl Generation<'_> {
         }
         self.cache.retain_rows(&keep);
         self.running = still;
+        Ok(())
     }
 }
 
@@ -444,9 +447,17 @@ impl Iterator for Generation<'_> {
             if self.failed || (self.running.is_empty() && self.waiting.is_empty()) {
                 return None;
             }
-            self.admit();
-            if !self.running.is_empty() {
-                self.decode_step();
+            let step = self.admit().and_then(|()| {
+                if self.running.is_empty() {
+                    Ok(())
+                } else {
+                    self.decode_step()
+                }
+            });
+            if let Err(e) = step {
+                // A device error leaves the cache in an unknown state: end the stream.
+                self.failed = true;
+                return Some(Err(e));
             }
         }
     }

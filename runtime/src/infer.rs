@@ -146,9 +146,10 @@ fn split(flat: Vec<f32>, batch: &[&Rollout], out: &mut Vec<Vec<f32>>) {
     }
 }
 
-fn host(t: &Tensor) -> Vec<f32> {
-    Vec::<f32>::try_from(t.to_kind(Kind::Float).to_device(Device::Cpu).reshape([-1]))
-        .unwrap_or_default()
+fn host(t: &Tensor) -> Result<Vec<f32>> {
+    Ok(Vec::<f32>::try_from(
+        t.to_kind(Kind::Float).to_device(Device::Cpu).reshape([-1]),
+    )?)
 }
 
 /// Log-probability of each completion token under `model` (a language model), computed as
@@ -164,7 +165,7 @@ pub fn logprobs(model: &Model, seqs: &[Rollout], options: &InferOptions) -> Resu
             .collect();
         let flat = tch::no_grad(|| {
             if targets.is_empty() {
-                return Vec::new();
+                return Ok(Vec::new());
             }
             let h = completion_hidden(model, &batch);
             let logits = model.apply_head(&h).to_kind(Kind::Float) / f64::from(options.temperature);
@@ -173,7 +174,7 @@ pub fn logprobs(model: &Model, seqs: &[Rollout], options: &InferOptions) -> Resu
                 .to_device(model.device())
                 .unsqueeze(1);
             host(&lp.gather(1, &t, false))
-        });
+        })?;
         split(flat, &batch, &mut out);
     }
     Ok(out)
@@ -190,9 +191,9 @@ pub fn values(critic: &Model, seqs: &[Rollout], options: &InferOptions) -> Resul
             if any {
                 host(&critic.apply_head(&completion_hidden(critic, &batch)))
             } else {
-                Vec::new()
+                Ok(Vec::new())
             }
-        });
+        })?;
         split(flat, &batch, &mut out);
     }
     Ok(out)
@@ -212,7 +213,7 @@ pub fn score(rm: &Model, seqs: &[Rollout], options: &InferOptions) -> Result<Vec
             let last: Vec<i64> = batch.iter().map(|r| r.len() as i64 - 1).collect();
             let h = hidden.index(&[Some(rows), Some(Tensor::from_slice(&last).to_device(dev))]);
             host(&rm.apply_head(&h).select(1, 0))
-        });
+        })?;
         out.extend(flat);
     }
     Ok(out)
