@@ -228,16 +228,22 @@ fn inv_freq(config: &ModelConfig, device: Device) -> Tensor {
     }
 }
 
-fn rotate_half(x: &Tensor) -> Tensor {
+/// Rotary embedding of `x` `[B, H, T, D]` given `cos` and `sin_signed` `[B, 1, T, D]` from
+/// `Model::rope`. transformers computes `x * cos + rotate_half(x) * sin` with
+/// `rotate_half(x) = [-x2, x1]`; rolling `x` by half gives `[x2, x1]`, and the sign lives in
+/// `sin_signed = [-sin, sin]`, which is bit-identical and costs two kernels fewer per call.
+fn apply_rope(x: &Tensor, cos: &Tensor, sin_signed: &Tensor) -> Tensor {
     let half = x.size()[3] / 2;
-    let x1 = x.narrow(3, 0, half);
-    let x2 = x.narrow(3, half, half);
-    Tensor::cat(&[&(-x2), &x1], 3)
+    x * cos + x.roll([half], [3]) * sin_signed
 }
 
 fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Tensor {
-    // As in transformers: normalise in f32, cast back, then scale.
     let kind = x.kind();
+    if kind == Kind::Float {
+        // In f32 libtorch's fused kernel computes the same thing in one pass.
+        return x.rms_norm([weight.size()[0]], Some(weight), eps);
+    }
+    // As in transformers: normalise in f32, cast back, then scale.
     let h = x.to_kind(Kind::Float);
     let var = h.pow_tensor_scalar(2).mean_dim(-1, true, Kind::Float);
     let h = h * (var + eps).rsqrt();
@@ -717,11 +723,14 @@ impl Model {
         out
     }
 
-    /// cos and sin `[B, 1, T, D]` for positions `[B, T]`, computed in f32 as transformers does.
+    /// cos and signed sin (`[-sin, sin]`, see `apply_rope`) `[B, 1, T, D]` for positions `[B, T]`,
+    /// computed in f32 as transformers does.
     fn rope(&self, inv_freq: &Tensor, pos: &Tensor) -> (Tensor, Tensor) {
         let freqs = pos.to_kind(Kind::Float).unsqueeze(-1) * inv_freq.view([1, 1, -1]);
-        let emb = Tensor::cat(&[&freqs, &freqs], -1).unsqueeze(1);
-        (emb.cos().to_kind(self.kind), emb.sin().to_kind(self.kind))
+        let (c, s) = (freqs.cos(), freqs.sin());
+        let cos = Tensor::cat(&[&c, &c], -1).unsqueeze(1);
+        let sin_signed = Tensor::cat(&[&(-&s), &s], -1).unsqueeze(1);
+        (cos.to_kind(self.kind), sin_signed.to_kind(self.kind))
     }
 
     fn llama_qkv(
@@ -749,8 +758,8 @@ impl Model {
             .forward(&h)
             .view([b, t, c.num_kv_heads, c.head_dim])
             .transpose(1, 2);
-        let q = &q * cos + rotate_half(&q) * sin;
-        let k = &k * cos + rotate_half(&k) * sin;
+        let q = apply_rope(&q, cos, sin);
+        let k = apply_rope(&k, cos, sin);
         (q, k, v)
     }
 
