@@ -6,6 +6,7 @@ use clap::{Parser, Subcommand};
 
 mod check;
 mod diag;
+mod eval;
 mod fmt;
 #[cfg(feature = "runtime")]
 mod generate;
@@ -24,6 +25,8 @@ enum Command {
     Check(check::Args),
     /// Rewrite programs in the canonical layout.
     Fmt(fmt::Args),
+    /// Evaluate a `fn` on recorded samples (JIT-compiled).
+    Eval(eval::Args),
     /// Sample completions from a model directory or a tiny model.
     #[cfg(feature = "runtime")]
     Generate(generate::Args),
@@ -36,6 +39,7 @@ fn main() -> ExitCode {
     match cli.command {
         Command::Check(args) => check::run(args),
         Command::Fmt(args) => fmt::run(args),
+        Command::Eval(args) => eval::run(args),
         #[cfg(feature = "runtime")]
         Command::Generate(args) => generate::run(args),
         Command::Sim(args) => sim::run(args),

@@ -188,7 +188,9 @@ impl<'a> Checker<'a> {
                         id.span,
                         "not a type",
                     );
-                    d = d.with_help(match suggest(&id.name, SigTy::NAMES.iter().copied()) {
+                    let suggestion = suggest(&id.name, SigTy::NAMES.iter().copied());
+                    d = d.with_suggestion(id.span, suggestion.as_deref());
+                    d = d.with_help(match suggestion {
                         Some(s) => format!(
                             "did you mean `{s}`? The types are {}",
                             SigTy::NAMES.join(", ")
@@ -307,7 +309,12 @@ impl<'a> Checker<'a> {
                     .with_help(format!(
                         "remove the binding, or name it `_{}` to keep it",
                         l.name
-                    )),
+                    ))
+                    .with_fix(
+                        l.span,
+                        format!("_{}", l.name),
+                        format!("Rename to `_{}`", l.name),
+                    ),
                 );
             }
         }
@@ -359,7 +366,8 @@ impl<'a> Checker<'a> {
         let mut candidates: Vec<String> =
             cx.scopes.iter().flatten().map(|(n, _)| n.clone()).collect();
         candidates.extend(self.scopes[cx.module].keys().cloned());
-        let help = match suggest(&id.name, candidates.iter().map(|s| s.as_str())) {
+        let suggestion = suggest(&id.name, candidates.iter().map(|s| s.as_str()));
+        let help = match &suggestion {
             Some(s) => format!("did you mean `{s}`?"),
             None => "define it with `let`, as a parameter, or import it with `use`".to_string(),
         };
@@ -370,7 +378,8 @@ impl<'a> Checker<'a> {
                 span,
                 "not defined",
             )
-            .with_help(help),
+            .with_help(help)
+            .with_suggestion(id.span, suggestion.as_deref()),
         );
         error_expr(span)
     }
@@ -397,7 +406,8 @@ impl<'a> Checker<'a> {
             "tokens" => (SampleField::Tokens, Ty::Tokens),
             other => {
                 let names = braid_stdlib::SAMPLE_FIELDS.iter().map(|f| f.key);
-                let help = match suggest(other, names) {
+                let suggestion = suggest(other, names);
+                let help = match &suggestion {
                     Some(s) => format!("did you mean `.{s}`?"),
                     None => "a `Sample` has `.prompt`, `.completion`, `.answer`, `.length`, `.group` and `.tokens`".into(),
                 };
@@ -408,7 +418,8 @@ impl<'a> Checker<'a> {
                         name.span,
                         "no such field",
                     )
-                    .with_help(help),
+                    .with_help(help)
+                    .with_suggestion(name.span, suggestion.as_deref()),
                 );
                 return error_expr(span);
             }
@@ -615,7 +626,6 @@ impl<'a> Checker<'a> {
             B::Eq | B::Ne | B::Lt | B::Le | B::Gt | B::Ge => match (&l.ty, &r.ty) {
                 (Int | Float, Int | Float) => Some(Bool),
                 (Bool, Bool) | (Str, Str) if matches!(op, B::Eq | B::Ne) => Some(Bool),
-                (Tokens, Int | Float | Tokens) | (Int | Float, Tokens) => Some(Tokens),
                 _ => None,
             },
             B::And | B::Or => match (&l.ty, &r.ty) {
@@ -862,7 +872,8 @@ impl<'a> Checker<'a> {
         for n in &args.named {
             match params.iter().position(|p| p.name == n.name.name) {
                 None => {
-                    let help = match suggest(&n.name.name, params.iter().map(|p| p.name.as_str())) {
+                    let suggestion = suggest(&n.name.name, params.iter().map(|p| p.name.as_str()));
+                    let help = match &suggestion {
                         Some(s) => format!("did you mean `{s}`?"),
                         None => format!(
                             "the parameters are: {}",
@@ -880,7 +891,8 @@ impl<'a> Checker<'a> {
                             n.name.span,
                             "unknown argument",
                         )
-                        .with_help(help),
+                        .with_help(help)
+                        .with_suggestion(n.name.span, suggestion.as_deref()),
                     );
                 }
                 Some(i) if bound[i].is_some() => {
@@ -1026,7 +1038,8 @@ impl<'a> Checker<'a> {
         }
         let mut candidates: Vec<String> = self.scopes[cx.module].keys().cloned().collect();
         candidates.extend(braid_stdlib::BUILTINS.iter().map(|b| b.name.to_string()));
-        let help = match suggest(name, candidates.iter().map(|s| s.as_str())) {
+        let suggestion = suggest(name, candidates.iter().map(|s| s.as_str()));
+        let help = match &suggestion {
             Some(s) => format!("did you mean `{s}`?"),
             None => "define it with `fn`, or import it: standard functions live in `std::advantages`, `std::kl` and `std::rewards`".into(),
         };
@@ -1037,7 +1050,8 @@ impl<'a> Checker<'a> {
                 id.span,
                 "not defined",
             )
-            .with_help(help),
+            .with_help(help)
+            .with_suggestion(id.span, suggestion.as_deref()),
         );
         for a in &args.positional {
             self.expr(cx, a);

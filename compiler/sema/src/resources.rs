@@ -35,7 +35,8 @@ impl Checker<'_> {
             match specs.iter().find(|s| s.key == e.key.name) {
                 None => {
                     let keys: Vec<&str> = specs.iter().map(|s| s.key).collect();
-                    let help = match closest(&e.key.name, &keys) {
+                    let suggestion = closest(&e.key.name, &keys);
+                    let help = match &suggestion {
                         Some(s) => {
                             format!("did you mean `{s}`? {what} accepts {}", keys.join(", "))
                         }
@@ -48,7 +49,8 @@ impl Checker<'_> {
                             e.key.span,
                             "unknown option",
                         )
-                        .with_help(help),
+                        .with_help(help)
+                        .with_suggestion(e.key.span, suggestion.as_deref()),
                     );
                 }
                 Some(spec) => {
@@ -274,7 +276,8 @@ impl Checker<'_> {
             }
             other => {
                 let names: Vec<&str> = braid_stdlib::MODEL_SOURCES.iter().map(|b| b.name).collect();
-                let help = match closest(other, &names) {
+                let suggestion = closest(other, &names);
+                let help = match &suggestion {
                     Some(s) => {
                         format!("did you mean `{s}`? Model sources are {}", names.join(", "))
                     }
@@ -287,7 +290,8 @@ impl Checker<'_> {
                         d.source.path.span,
                         "unknown source",
                     )
-                    .with_help(help),
+                    .with_help(help)
+                    .with_suggestion(d.source.path.span, suggestion.as_deref()),
                 );
                 None
             }
@@ -488,7 +492,8 @@ impl Checker<'_> {
                         "warmup",
                         "schedule",
                     ];
-                    let help = match closest(other, &names) {
+                    let suggestion = closest(other, &names);
+                    let help = match &suggestion {
                         Some(s) => format!("did you mean `{s}`?"),
                         None => format!("`adamw` takes {}", names.join(", ")),
                     };
@@ -499,7 +504,8 @@ impl Checker<'_> {
                             n.name.span,
                             "unknown argument",
                         )
-                        .with_help(help),
+                        .with_help(help)
+                        .with_suggestion(n.name.span, suggestion.as_deref()),
                     );
                 }
             }
@@ -547,7 +553,8 @@ impl Checker<'_> {
         let mut ok = true;
         for n in &s.args.named {
             let Some(key) = names.iter().copied().find(|k| *k == n.name.name) else {
-                let help = match closest(&n.name.name, &names) {
+                let suggestion = closest(&n.name.name, &names);
+                let help = match &suggestion {
                     Some(x) => format!("did you mean `{x}`?"),
                     None => format!("`tiny` takes {}", names.join(", ")),
                 };
@@ -558,7 +565,8 @@ impl Checker<'_> {
                         n.name.span,
                         "unknown argument",
                     )
-                    .with_help(help),
+                    .with_help(help)
+                    .with_suggestion(n.name.span, suggestion.as_deref()),
                 );
                 ok = false;
                 continue;
@@ -749,7 +757,8 @@ impl Checker<'_> {
                     .iter()
                     .map(|b| b.name)
                     .collect();
-                let help = match closest(other, &names) {
+                let suggestion = closest(other, &names);
+                let help = match &suggestion {
                     Some(s) => format!(
                         "did you mean `{s}`? Dataset sources are {}",
                         names.join(", ")
@@ -763,7 +772,8 @@ impl Checker<'_> {
                         d.source.path.span,
                         "unknown source",
                     )
-                    .with_help(help),
+                    .with_help(help)
+                    .with_suggestion(d.source.path.span, suggestion.as_deref()),
                 );
             }
         }

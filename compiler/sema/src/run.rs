@@ -142,10 +142,11 @@ impl Checker<'_> {
                     .filter(|(_, g)| matches!(g.def, Def::Pipeline(_)))
                     .map(|(n, _)| n.clone())
                     .collect();
-                let help = match closest(
+                let suggestion = closest(
                     &name,
                     &pipelines.iter().map(|s| s.as_str()).collect::<Vec<_>>(),
-                ) {
+                );
+                let help = match &suggestion {
                     Some(s) => format!("did you mean `{s}`?"),
                     None => format!(
                         "import a standard pipeline, e.g. `use std::{name}`, or define `pipeline {name}(…)`"
@@ -158,7 +159,8 @@ impl Checker<'_> {
                         r.pipeline.span,
                         "not defined",
                     )
-                    .with_help(help),
+                    .with_help(help)
+                    .with_suggestion(r.pipeline.span, suggestion.as_deref()),
                 );
                 return None;
             }
@@ -213,7 +215,8 @@ impl Checker<'_> {
                 Some(i) => bound[i] = Some(&n.value),
                 None => {
                     let names: Vec<&str> = pl.params.iter().map(|p| p.name.as_str()).collect();
-                    let help = match closest(&n.name.name, &names) {
+                    let suggestion = closest(&n.name.name, &names);
+                    let help = match &suggestion {
                         Some(s) => format!("did you mean `{s}`?"),
                         None => format!("`{name}` takes {}", names.join(", ")),
                     };
@@ -224,7 +227,8 @@ impl Checker<'_> {
                             n.name.span,
                             "unknown argument",
                         )
-                        .with_help(help),
+                        .with_help(help)
+                        .with_suggestion(n.name.span, suggestion.as_deref()),
                     );
                     ok = false;
                 }
@@ -288,7 +292,8 @@ impl Checker<'_> {
                         let mut names: Vec<&str> =
                             pl.settings.iter().map(|s| s.name.as_str()).collect();
                         names.extend(braid_stdlib::RUN_SETTINGS.iter().map(|s| s.key));
-                        let help = match closest(key, &names) {
+                        let suggestion = closest(key, &names);
+                        let help = match &suggestion {
                             Some(s) => format!(
                                 "did you mean `{s}`? `{name}` has the settings {}",
                                 names.join(", ")
@@ -302,7 +307,8 @@ impl Checker<'_> {
                                 e.key.span,
                                 "unknown setting",
                             )
-                            .with_help(help),
+                            .with_help(help)
+                            .with_suggestion(e.key.span, suggestion.as_deref()),
                         );
                         ok = false;
                         continue;
