@@ -13,7 +13,11 @@ mod generate;
 mod sim;
 
 #[derive(Parser)]
-#[command(name = "braid", version, about = "A compiler and runtime for RLHF pipelines")]
+#[command(
+    name = "braid",
+    version,
+    about = "A compiler and runtime for RLHF pipelines"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
