@@ -10,6 +10,7 @@ mod eval;
 mod fmt;
 #[cfg(feature = "runtime")]
 mod generate;
+mod lsp;
 mod sim;
 
 #[derive(Parser)]
@@ -34,6 +35,8 @@ enum Command {
     /// Sample completions from a model directory or a tiny model.
     #[cfg(feature = "runtime")]
     Generate(generate::Args),
+    /// Start the language server on stdio.
+    Lsp(lsp::Args),
     /// Simulate and schedule at cluster scale without GPUs.
     Sim(sim::Args),
 }
@@ -46,6 +49,7 @@ fn main() -> ExitCode {
         Command::Eval(args) => eval::run(args),
         #[cfg(feature = "runtime")]
         Command::Generate(args) => generate::run(args),
+        Command::Lsp(args) => lsp::run(args),
         Command::Sim(args) => sim::run(args),
     }
 }

@@ -22,6 +22,17 @@ pub struct Label {
     pub primary: bool,
 }
 
+/// A mechanical edit that resolves a diagnostic: replace the text of `span` with
+/// `replacement`. Only set where the fix is certain enough to apply with one click (a "did you
+/// mean" suggestion, a rename); the language server offers it as a code action.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Fix {
+    pub span: Span,
+    pub replacement: String,
+    /// What the edit does, in a few words: "Replace with `grpo`".
+    pub title: String,
+}
+
 /// A problem found in a program: what, where, and what to write instead.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Diagnostic {
@@ -30,6 +41,8 @@ pub struct Diagnostic {
     pub labels: Vec<Label>,
     pub help: Option<String>,
     pub notes: Vec<String>,
+    /// Edits that fix the problem, if one is mechanical.
+    pub fixes: Vec<Fix>,
 }
 
 impl Diagnostic {
@@ -51,6 +64,31 @@ impl Diagnostic {
             }],
             help: None,
             notes: Vec::new(),
+            fixes: Vec::new(),
+        }
+    }
+
+    /// Adds a mechanical fix: replace `span` with `replacement`.
+    pub fn with_fix(
+        mut self,
+        span: Span,
+        replacement: impl Into<String>,
+        title: impl Into<String>,
+    ) -> Self {
+        self.fixes.push(Fix {
+            span,
+            replacement: replacement.into(),
+            title: title.into(),
+        });
+        self
+    }
+
+    /// Adds the fix for a "did you mean `x`?" suggestion, if there is one: replace the
+    /// misspelt text at `span` with `suggestion`.
+    pub fn with_suggestion(self, span: Span, suggestion: Option<&str>) -> Self {
+        match suggestion {
+            Some(s) => self.with_fix(span, s, format!("Replace with `{s}`")),
+            None => self,
         }
     }
 
