@@ -321,6 +321,17 @@ fn an_editor_session() {
             .starts_with("pipeline grpo(")
     );
 
+    // On a `use` line: the module's file.
+    let module = c.request(
+        "textDocument/definition",
+        at(&uri, FIXED, "use std::grpo", 0, 1),
+    );
+    assert_eq!(module["result"]["uri"], def["result"]["uri"]);
+    assert_eq!(
+        module["result"]["range"]["start"],
+        json!({"line": 0, "character": 0})
+    );
+
     let mut refs = json!(at(&uri, FIXED, "policy", 0, 0));
     refs["context"] = json!({"includeDeclaration": true});
     let refs = c.request("textDocument/references", refs);

@@ -168,6 +168,20 @@ impl Document {
     }
 }
 
+/// A document checked without imports, for unit tests.
+#[cfg(test)]
+pub(crate) fn test_document(text: &str) -> Document {
+    let uri: Uri = "file:///t/a.rlhf".parse().unwrap();
+    let checked = braid_sema::check("/t/a.rlhf", text, &braid_sema::NoImports);
+    Document {
+        uri,
+        name: "/t/a.rlhf".into(),
+        version: 0,
+        text: text.into(),
+        checked,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -390,6 +390,52 @@ fn describe_model(program: &Program, m: &hir::Model) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::analysis::test_document;
+
+    /// The hover text at the `nth` occurrence of `needle` (plus `delta` bytes).
+    fn hover_at(text: &str, needle: &str, nth: usize, delta: u32) -> Option<(String, String)> {
+        let doc = test_document(text);
+        let at = text.match_indices(needle).nth(nth).unwrap().0 as u32 + delta;
+        describe_at(&doc, at)
+            .map(|(t, span)| (t, text[span.start as usize..span.end as usize].to_string()))
+    }
+
+    const PROGRAM: &str = "model m = hf(\"./ckpt\")\ndataset d = jsonl(\"x.jsonl\")\nfn f(s: Sample, w: float) -> float {\n  let n = len(s.completion)\n  n * w + 1.5\n}\n";
+
+    #[test]
+    fn the_innermost_expression_gives_type_and_granularity() {
+        let (text, covered) = hover_at(PROGRAM, "1.5", 0, 1).unwrap();
+        assert_eq!(covered, "1.5");
+        assert!(text.contains("float") && text.contains("scalar"), "{text}");
+        let (text, covered) = hover_at(PROGRAM, "* w", 0, 0).unwrap();
+        assert_eq!(covered, "n * w");
+        assert!(text.contains("float"), "{text}");
+        let (text, covered) = hover_at(PROGRAM, "s.completion", 0, 3).unwrap();
+        assert_eq!(covered, "s.completion");
+        assert!(
+            text.contains("string") && text.contains("per-sample"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn names_show_their_item_or_local() {
+        let (text, covered) = hover_at(PROGRAM, "len", 0, 1).unwrap();
+        assert_eq!(covered, "len");
+        assert!(text.contains("len(") && text.contains("->"), "{text}");
+        let (text, covered) = hover_at(PROGRAM, "n =", 0, 0).unwrap();
+        assert_eq!(covered, "n");
+        assert!(text.contains("n: int") && text.contains("let"), "{text}");
+        let (text, _) = hover_at(PROGRAM, "m =", 0, 0).unwrap();
+        assert!(text.contains("Hugging Face directory `./ckpt`"), "{text}");
+        let (text, _) = hover_at(PROGRAM, "fn f(", 0, 3).unwrap();
+        assert!(
+            text.contains("fn f(s: Sample, w: float) -> float"),
+            "{text}"
+        );
+        // Between items there is nothing to say.
+        assert_eq!(hover_at(PROGRAM, "\nfn", 0, 0), None);
+    }
 
     #[test]
     fn tiny_parameter_count_follows_the_documented_formula() {

@@ -44,8 +44,27 @@ fn offset(doc: &Document, pos: Position) -> Option<u32> {
 }
 
 pub fn definition(doc: &Document, pos: Position) -> Option<Location> {
-    let (_, span) = target(doc, offset(doc, pos)?)?;
-    doc.location(span)
+    let offset = offset(doc, pos)?;
+    match target(doc, offset) {
+        Some((_, span)) => doc.location(span),
+        None => imported_module(doc, offset),
+    }
+}
+
+/// On a `use` line: the start of the module it imports.
+fn imported_module(doc: &Document, offset: u32) -> Option<Location> {
+    let text = doc.text.as_str();
+    let offset = (offset as usize).min(text.len());
+    let start = text[..offset].rfind('\n').map_or(0, |i| i + 1);
+    let end = text[start..].find('\n').map_or(text.len(), |i| start + i);
+    let rest = text[start..end].trim().strip_prefix("use")?.trim_start();
+    let rest = rest.split("//").next().unwrap_or("").trim();
+    let name = match rest.strip_prefix("std::") {
+        Some(module) => braid_stdlib::file_name(module),
+        None => braid_sema::join(&doc.name, rest.trim_matches('"')),
+    };
+    let (id, _) = doc.checked.sources.files().find(|(_, f)| f.name == name)?;
+    doc.location(braid_diagnostics::Span::new(id, 0, 0))
 }
 
 /// Two uses refer to the same thing when their definitions are the same span (local ids are
