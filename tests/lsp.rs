@@ -286,6 +286,8 @@ fn an_editor_session() {
             at(&uri, FIXED, "completion)", 0, 2),
         ),
         ("division", at(&uri, FIXED, "   /   ", 0, 3)),
+        ("run_setting", at(&uri, FIXED, "steps:", 0, 1)),
+        ("model_option", at(&uri, FIXED, "train:", 0, 1)),
     ];
     for (name, params) in hovers {
         let resp = c.request("textDocument/hover", params);

@@ -124,6 +124,46 @@ fn run_settings(doc: &Document, pipeline: &str) -> Vec<CompletionItem> {
     items
 }
 
+/// The doc of the option key at `offset` (`dtype` in `dtype: bf16`), with its byte range.
+pub(crate) fn option_doc(doc: &Document, offset: usize) -> Option<(String, usize, usize)> {
+    let text = doc.text.as_str();
+    let offset = offset.min(text.len());
+    let start = text[..offset].trim_end_matches(is_ident).len();
+    let end = offset + (text[offset..].len() - text[offset..].trim_start_matches(is_ident).len());
+    let key = &text[start..end];
+    let after = text[end..].trim_start_matches([' ', '\t']);
+    if key.is_empty() || !after.starts_with(':') || after.starts_with("::") {
+        return None;
+    }
+    let specs: &[OptionSpec] = match enclosing_block(text, start)? {
+        Block::Model => braid_stdlib::MODEL_OPTIONS,
+        Block::Dataset => braid_stdlib::DATASET_OPTIONS,
+        Block::Cluster => braid_stdlib::CLUSTER_OPTIONS,
+        Block::Run(pipeline) => {
+            if let Some(s) = doc
+                .checked
+                .program
+                .pipeline_by_name(&pipeline)
+                .and_then(|p| p.settings.iter().find(|s| s.name == key))
+            {
+                let text = format!(
+                    "```braid\nparam {}: {}\n```\na setting of pipeline `{pipeline}`",
+                    s.name, s.ty
+                );
+                return Some((text, start, end));
+            }
+            braid_stdlib::RUN_SETTINGS
+        }
+        Block::Other => return None,
+    };
+    let spec = specs.iter().find(|o| o.key == key)?;
+    let mut text = format!("```braid\n{}: {}\n```\n{}", spec.key, spec.ty, spec.doc);
+    if !spec.values.is_empty() {
+        text.push_str(&format!("\n\nOne of: {}", spec.values.join(", ")));
+    }
+    Some((text, start, end))
+}
+
 fn general(doc: &Document, offset: u32) -> Vec<CompletionItem> {
     let program = &doc.checked.program;
     let mut items: Vec<CompletionItem> = Vec::new();
@@ -231,7 +271,7 @@ fn fn_id(program: &braid_sema::hir::Program, f: &braid_sema::hir::Fn) -> braid_s
 
 /// The kind of options block whose `{` encloses the cursor, if any.
 #[derive(Debug, PartialEq, Eq)]
-enum Block {
+pub(crate) enum Block {
     Model,
     Dataset,
     Cluster,
@@ -240,7 +280,7 @@ enum Block {
     Other,
 }
 
-fn enclosing_block(text: &str, offset: usize) -> Option<Block> {
+pub(crate) fn enclosing_block(text: &str, offset: usize) -> Option<Block> {
     let bytes = &text.as_bytes()[..offset];
     let mut stack: Vec<usize> = Vec::new();
     let mut i = 0;

@@ -53,11 +53,16 @@ pub fn describe_at(doc: &Document, offset: u32) -> Option<(String, Span)> {
         text.push_str(&format!("granularity: {}", e.gran.as_str()));
         return Some((text, e.span));
     }
-    let local = owners(program, root)
+    if let Some(local) = owners(program, root)
         .filter(|o| inside(o.span))
         .flat_map(|o| o.locals.iter())
-        .find(|l| inside(l.span))?;
-    Some((describe_local(local), local.span))
+        .find(|l| inside(l.span))
+    {
+        return Some((describe_local(local), local.span));
+    }
+    // An option key of a `model`, `dataset`, `cluster` or `run` block.
+    let (text, start, end) = crate::completion::option_doc(doc, offset as usize)?;
+    Some((text, Span::new(root, start, end)))
 }
 
 /// Every item defined in the program, by the span of its name.
@@ -431,6 +436,13 @@ mod tests {
         let (text, _) = hover_at(PROGRAM, "fn f(", 0, 3).unwrap();
         assert!(
             text.contains("fn f(s: Sample, w: float) -> float"),
+            "{text}"
+        );
+        let options = "model m = tiny() {\n  dtype: bf16\n}\n";
+        let (text, covered) = hover_at(options, "dtype", 0, 2).unwrap();
+        assert_eq!(covered, "dtype");
+        assert!(
+            text.contains("precision") && text.contains("bf16"),
             "{text}"
         );
         // Between items there is nothing to say.
