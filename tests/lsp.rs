@@ -502,3 +502,87 @@ fn malformed_messages_get_protocol_errors_and_the_server_keeps_going() {
     let status = c.child.wait().unwrap();
     assert_eq!(status.code(), Some(1));
 }
+
+/// Reads imports from disk, like `braid check`.
+struct Disk;
+
+impl braid_sema::Loader for Disk {
+    fn load(&self, from: &str, path: &str) -> Result<(String, String), String> {
+        let name = braid_sema::join(from, path);
+        std::fs::read_to_string(&name)
+            .map(|t| (name.clone(), t))
+            .map_err(|e| e.to_string())
+    }
+}
+
+/// The quick fixes the language server offers are the checker's `Diagnostic::fixes`. Applied to
+/// the UI fixtures and the error gallery, each must make its diagnostic go away.
+#[test]
+fn every_fix_resolves_its_diagnostic() {
+    let mut paths: Vec<PathBuf> = ["tests/ui", "examples/errors"]
+        .iter()
+        .flat_map(|d| std::fs::read_dir(d).unwrap())
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "rlhf"))
+        .collect();
+    paths.sort();
+    let mut programs: Vec<(String, String)> = paths
+        .iter()
+        .map(|p| (p.display().to_string(), std::fs::read_to_string(p).unwrap()))
+        .collect();
+    // Misspellings the fixtures do not happen to contain.
+    let run = "use std::grpo\nmodel p = tiny() { train: adamw() }\ndataset d = synthetic::letters()\nfn r(s: Sample) -> float { 1.0 }\n";
+    for (i, extra) in [
+        "fn f(count_me: int) -> int {\n  count_mee + 1\n}\n".to_string(),
+        "fn f(s: Sample) -> string {\n  s.promt\n}\n".to_string(),
+        format!("{run}run grpo(p, d, reward: r) {{ stepz: 10, steps: 10 }}\n"),
+        format!(
+            "{}run grpo(p, d, reward: r) {{ steps: 10 }}\n",
+            run.replace("tiny()", "tinny()")
+        ),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        programs.push((format!("extra-{i}.rlhf"), extra));
+    }
+    let mut applied = std::collections::BTreeSet::new();
+    for (name, text) in programs {
+        let checked = braid_sema::check(&name, &text, &Disk);
+        for d in &checked.diagnostics {
+            for fix in &d.fixes {
+                if fix.span.file != checked.program.root {
+                    continue;
+                }
+                let (start, end) = (fix.span.start as usize, fix.span.end as usize);
+                assert!(
+                    start < end && end <= text.len(),
+                    "{name}: {} fix span {start}..{end}",
+                    d.code
+                );
+                let fixed = format!("{}{}{}", &text[..start], fix.replacement, &text[end..]);
+                let again = braid_sema::check(&name, &fixed, &Disk);
+                let still = again
+                    .diagnostics
+                    .iter()
+                    .any(|e| e.code == d.code && e.span().start as usize == start);
+                assert!(
+                    !still,
+                    "{name}: `{}` did not resolve {}: {}",
+                    fix.title, d.code, d.message
+                );
+                applied.insert(d.code.as_str());
+            }
+        }
+    }
+    // The suggestions the fixtures exercise: names, fields, options, arguments, sources, types,
+    // settings, and unused bindings.
+    for code in [
+        "E0201", "E0206", "E0207", "E0208", "E0210", "E0315", "E0405", "W0001",
+    ] {
+        assert!(
+            applied.contains(code),
+            "no fixture exercised a fix for {code}: {applied:?}"
+        );
+    }
+}
