@@ -586,3 +586,69 @@ fn every_fix_resolves_its_diagnostic() {
         );
     }
 }
+
+#[test]
+fn imports_come_from_open_documents_first_and_their_diagnostics_are_published() {
+    let mut c = Client::start("imports");
+    initialize(&mut c);
+    let lib_on_disk = "fn bonus(s: Sample) -> float {\n  lenght(s.completion) * 0.1\n}\n";
+    std::fs::write(c.workspace.join("lib.rlhf"), lib_on_disk).unwrap();
+    let main = "use \"./lib.rlhf\"\n\nfn reward(s: Sample) -> float {\n  bonus(s) + 1.0\n}\n";
+    let main_uri = c.uri("main.rlhf");
+    let lib_uri = c.uri("lib.rlhf");
+
+    // The import is read from disk; its error is published under its own URI.
+    let first = open(&mut c, "main.rlhf", main);
+    assert_eq!(first["uri"], main_uri.as_str());
+    assert_eq!(first["diagnostics"], json!([]));
+    let lib = c.diagnostics();
+    assert_eq!(lib["uri"], lib_uri.as_str());
+    insta::assert_snapshot!("import_diagnostics", c.show(&lib));
+
+    // Opening the import with unsaved text: it is checked as it is in the editor.
+    let lib_fixed = "fn bonus(s: Sample) -> float {\n  len(s.completion) * 0.1\n}\n";
+    c.notify(
+        "textDocument/didOpen",
+        json!({"textDocument": {"uri": lib_uri, "languageId": "rlhf", "version": 1, "text": lib_fixed}}),
+    );
+    let lib = c.diagnostics();
+    assert_eq!(lib["uri"], lib_uri.as_str());
+    assert_eq!(lib["diagnostics"], json!([]));
+    let main_again = c.diagnostics();
+    assert_eq!(
+        main_again["uri"],
+        main_uri.as_str(),
+        "the importer is re-checked"
+    );
+    assert_eq!(main_again["diagnostics"], json!([]));
+
+    // Go to definition across files lands in the import.
+    let def = c.request(
+        "textDocument/definition",
+        at(&main_uri, main, "bonus(", 0, 1),
+    );
+    assert_eq!(def["result"]["uri"], lib_uri.as_str());
+    assert_eq!(
+        def["result"]["range"]["start"],
+        pos(lib_fixed, "bonus", 0, 0)
+    );
+
+    // Renaming the function in the open import breaks the importer, which is re-checked.
+    let renamed = lib_fixed.replace("bonus", "extra");
+    c.notify(
+        "textDocument/didChange",
+        json!({"textDocument": {"uri": lib_uri, "version": 2}, "contentChanges": [{"text": renamed}]}),
+    );
+    let lib = c.diagnostics();
+    assert_eq!(lib["uri"], lib_uri.as_str());
+    let main_again = c.diagnostics();
+    assert_eq!(main_again["uri"], main_uri.as_str());
+    assert_eq!(
+        main_again["diagnostics"][0]["code"], "E0201",
+        "{main_again}"
+    );
+
+    c.request("shutdown", Value::Null);
+    c.notify("exit", Value::Null);
+    assert!(c.child.wait().unwrap().success());
+}

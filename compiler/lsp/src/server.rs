@@ -298,11 +298,7 @@ impl State {
         let name = name_of(&uri);
         self.texts.insert(name.clone(), text.clone());
         let doc = self.check(uri, name.clone(), version, text);
-        let mut out = vec![publish(
-            doc.uri.clone(),
-            diagnostics::for_document(&doc),
-            Some(version),
-        )];
+        let mut out = self.publish_all(&doc);
         self.docs.insert(doc.uri.as_str().to_string(), doc);
         let dependents: Vec<String> = self
             .docs
@@ -319,13 +315,40 @@ impl State {
         for key in dependents {
             if let Some(old) = self.docs.remove(&key) {
                 let doc = self.check(old.uri, old.name, old.version, old.text);
-                out.push(publish(
-                    doc.uri.clone(),
-                    diagnostics::for_document(&doc),
-                    Some(doc.version),
-                ));
+                out.extend(self.publish_all(&doc));
                 self.docs.insert(key, doc);
             }
+        }
+        out
+    }
+
+    /// The diagnostics of a check, per file: the document's own, and those of each file it
+    /// imports that is not open itself (an open file publishes its own when it is checked as a
+    /// root). Standard-library modules check clean and are skipped.
+    fn publish_all(&self, doc: &Document) -> Vec<Notification> {
+        let mut out = vec![publish(
+            doc.uri.clone(),
+            diagnostics::for_document(doc),
+            Some(doc.version),
+        )];
+        for (id, file) in doc.checked.sources.files() {
+            if id == doc.root()
+                || file.name.starts_with("std/")
+                || self.texts.contains_key(&file.name)
+            {
+                continue;
+            }
+            let Some(uri) = doc.uri_of(id) else {
+                continue;
+            };
+            let diags = doc
+                .checked
+                .diagnostics
+                .iter()
+                .filter(|d| d.span().file == id)
+                .filter_map(|d| diagnostics::to_lsp(doc, d))
+                .collect();
+            out.push(publish(uri, diags, None));
         }
         out
     }
