@@ -43,10 +43,12 @@ pub fn complete(doc: &Document, pos: Position) -> Vec<CompletionItem> {
             })
             .collect();
     }
-    if let Some(base) = word_start.strip_suffix('.')
-        && base.ends_with(is_ident)
-    {
-        return options(braid_stdlib::SAMPLE_FIELDS, CompletionItemKind::FIELD);
+    if let Some(base) = word_start.strip_suffix('.') {
+        // `s.` but not `1.` (a float being typed).
+        let name = &base[base.trim_end_matches(is_ident).len()..];
+        if name.starts_with(|c: char| c.is_ascii_alphabetic() || c == '_') {
+            return options(braid_stdlib::SAMPLE_FIELDS, CompletionItemKind::FIELD);
+        }
     }
     let entry_start =
         word_start.trim_end().is_empty() || word_start.trim_end().ends_with([',', '{']);
@@ -332,6 +334,39 @@ pub(crate) fn enclosing_block(text: &str, offset: usize) -> Option<Block> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::analysis::test_document;
+
+    fn labels_at_end(text: &str) -> Vec<String> {
+        let doc = test_document(text);
+        let file = braid_diagnostics::SourceFile::new("t", text);
+        let end = position::offset_to_position(&file, text.len() as u32);
+        complete(&doc, end).into_iter().map(|i| i.label).collect()
+    }
+
+    #[test]
+    fn the_context_picks_the_list() {
+        let fields = labels_at_end("fn f(s: Sample) -> float {\n  len(s.");
+        assert_eq!(
+            fields,
+            [
+                "prompt",
+                "completion",
+                "answer",
+                "length",
+                "group",
+                "tokens"
+            ]
+        );
+        let general = labels_at_end("fn f(s: Sample) -> float {\n  1.");
+        assert!(general.iter().any(|l| l == "len") && !general.iter().any(|l| l == "prompt"));
+        let cluster = labels_at_end("cluster {\n  gpus: 8\n  g");
+        assert_eq!(cluster, ["gpus", "gpu", "nodes", "cpu"]);
+        let dataset = labels_at_end("dataset d = jsonl(\"x\") { shuffle: true, ");
+        assert!(dataset.contains(&"fields".to_string()), "{dataset:?}");
+        // A value position inside an options block is not a key position.
+        let value = labels_at_end("model m = tiny() {\n  dtype: ");
+        assert!(!value.contains(&"grad_clip".to_string()), "{value:?}");
+    }
 
     #[test]
     fn the_enclosing_block_ignores_braces_in_strings_and_comments() {
