@@ -413,10 +413,22 @@ fn an_editor_session() {
     );
     insta::assert_snapshot!("formatting", c.show(&formatting["result"]));
 
+    // A half-typed body does not parse, but completion still offers its locals.
+    let half = FIXED.replace("  count(s.completion", "  let n = (\n  count(s.completion");
+    c.notify(
+        "textDocument/didChange",
+        json!({"textDocument": {"uri": uri, "version": 3}, "contentChanges": [{"text": half}]}),
+    );
+    let diags = c.diagnostics();
+    assert!(!diags["diagnostics"].as_array().unwrap().is_empty());
+    let inside = c.request("textDocument/completion", at(&uri, &half, "= (", 0, 3));
+    let inside = labels(&inside);
+    assert!(inside.iter().any(|l| l == "s"), "{inside:?}");
+
     // A syntax error: diagnostics, and no formatting edit.
     c.notify(
         "textDocument/didChange",
-        json!({"textDocument": {"uri": uri, "version": 3}, "contentChanges": [{"text": "model = (\n"}]}),
+        json!({"textDocument": {"uri": uri, "version": 4}, "contentChanges": [{"text": "model = (\n"}]}),
     );
     let diags = c.diagnostics();
     assert!(

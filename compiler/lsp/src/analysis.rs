@@ -24,6 +24,31 @@ pub struct Document {
     pub version: i32,
     pub text: String,
     pub checked: Checked,
+    /// The program of the last version without syntax errors, while this one has some: a
+    /// half-typed body is skipped by the parser's recovery, and completion still wants its
+    /// locals.
+    pub last_parsed: Option<Box<braid_sema::hir::Program>>,
+}
+
+impl Document {
+    /// Whether the parser had to skip text (codes `E01xx`).
+    pub fn has_syntax_errors(&self) -> bool {
+        self.checked
+            .diagnostics
+            .iter()
+            .any(|d| d.code.as_str().starts_with("E01"))
+    }
+
+    /// Carries the last program without syntax errors over from the version this one replaces.
+    pub fn inherit(&mut self, old: Document) {
+        if self.has_syntax_errors() {
+            self.last_parsed = if old.has_syntax_errors() {
+                old.last_parsed
+            } else {
+                Some(Box::new(old.checked.program))
+            };
+        }
+    }
 }
 
 impl Document {
@@ -179,6 +204,7 @@ pub(crate) fn test_document(text: &str) -> Document {
         version: 0,
         text: text.into(),
         checked,
+        last_parsed: None,
     }
 }
 

@@ -175,20 +175,28 @@ fn general(doc: &Document, offset: u32) -> Vec<CompletionItem> {
             items.push(item);
         }
     };
-    for owner in owners(program, doc.root()) {
-        if owner.span.start <= offset && offset <= owner.span.end {
-            for l in owner.locals {
-                push(
-                    CompletionItem {
-                        label: l.name.clone(),
-                        kind: Some(CompletionItemKind::VARIABLE),
-                        detail: Some(format!("{} · {}", l.ty, l.gran.as_str())),
-                        ..CompletionItem::default()
-                    },
-                    &mut items,
-                );
-            }
-        }
+    let mut bodies: Vec<_> = owners(program, doc.root())
+        .filter(|o| o.span.start <= offset && offset <= o.span.end)
+        .collect();
+    // Inside a body that does not parse now: the locals of the body that was there when the
+    // file last parsed (its span is from that text, so it is a close guess, not exact).
+    if bodies.is_empty()
+        && let Some(last) = &doc.last_parsed
+    {
+        bodies = owners(last, doc.root())
+            .filter(|o| o.span.start <= offset && offset <= o.span.end.saturating_add(64))
+            .collect();
+    }
+    for l in bodies.iter().flat_map(|o| o.locals.iter()) {
+        push(
+            CompletionItem {
+                label: l.name.clone(),
+                kind: Some(CompletionItemKind::VARIABLE),
+                detail: Some(format!("{} · {}", l.ty, l.gran.as_str())),
+                ..CompletionItem::default()
+            },
+            &mut items,
+        );
     }
     for f in &program.fns {
         let detail =

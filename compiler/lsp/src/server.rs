@@ -297,7 +297,10 @@ impl State {
     fn update(&mut self, uri: Uri, version: i32, text: String) -> Vec<Notification> {
         let name = name_of(&uri);
         self.texts.insert(name.clone(), text.clone());
-        let doc = self.check(uri, name.clone(), version, text);
+        let mut doc = self.check(uri, name.clone(), version, text);
+        if let Some(old) = self.docs.remove(doc.uri.as_str()) {
+            doc.inherit(old);
+        }
         let mut out = self.publish_all(&doc);
         self.docs.insert(doc.uri.as_str().to_string(), doc);
         let dependents: Vec<String> = self
@@ -314,7 +317,13 @@ impl State {
             .collect();
         for key in dependents {
             if let Some(old) = self.docs.remove(&key) {
-                let doc = self.check(old.uri, old.name, old.version, old.text);
+                let mut doc = self.check(
+                    old.uri.clone(),
+                    old.name.clone(),
+                    old.version,
+                    old.text.clone(),
+                );
+                doc.inherit(old);
                 out.extend(self.publish_all(&doc));
                 self.docs.insert(key, doc);
             }
@@ -362,6 +371,7 @@ impl State {
             version,
             text,
             checked,
+            last_parsed: None,
         }
     }
 }
