@@ -71,8 +71,8 @@ impl ModelShape {
     }
 
     /// The shape of a `tiny(layers:, hidden:, heads:, kv_heads:, intermediate:, vocab:)` model
-    /// with the same defaults as the runtime: `kv_heads = heads`, `intermediate = 4 * hidden`,
-    /// and tied embeddings.
+    /// with the language's defaults (`kv_heads = heads`, `intermediate = 4 * hidden`) and the
+    /// runtime's layout: untied input and output embeddings (`runtime/src/tiny.rs`).
     pub fn tiny(
         layers: u64,
         hidden: u64,
@@ -89,7 +89,7 @@ impl ModelShape {
             kv_heads: kv_heads.unwrap_or(heads),
             intermediate: intermediate.unwrap_or(4 * hidden),
             vocab,
-            tied_embeddings: true,
+            tied_embeddings: false,
             declared_params: None,
         };
         shape.check()?;
@@ -248,9 +248,10 @@ mod tests {
     #[test]
     fn tiny_model_counts_by_hand() {
         let m = ModelShape::tiny(2, 128, 4, None, None, BYTE_VOCAB).expect("tiny");
-        // Per layer: 4·128² attention + 3·128·512 MLP + 2·128 norms.
+        // Per layer: 4·128² attention + 3·128·512 MLP + 2·128 norms; untied input and output
+        // embeddings (259·128 each, as the runtime builds tiny models) and a final norm.
         let layer = 4 * 128 * 128 + 3 * 128 * 512 + 256;
-        assert_eq!(m.counted_params(), 2 * layer + 259 * 128 + 128);
+        assert_eq!(m.counted_params(), 2 * layer + 2 * 259 * 128 + 128);
         assert_eq!(m.kv_bytes_per_token(2), 2 * 2 * 4 * 32 * 2);
     }
 }
