@@ -91,19 +91,9 @@ impl Printer<'_> {
     /// the node at `pos` if the source had one. `first` is true for the first line of a block,
     /// which never starts with a blank line.
     fn leading(&mut self, pos: usize, first: bool) {
-        let mut first = first;
-        while self.next < self.comments.len() && self.comments[self.next].start < pos {
-            let c = self.comments[self.next].clone();
-            self.next += 1;
-            if !first && self.blank_between(self.last_end, c.start) {
-                self.newline();
-            }
-            self.write_indent();
-            self.out.push_str(&c.text);
-            self.newline();
-            self.last_end = c.end;
-            first = false;
-        }
+        let before = self.next;
+        self.leading_comments_only(pos, first);
+        let first = first && self.next == before;
         if !first && self.blank_between(self.last_end, pos) {
             self.newline();
         }

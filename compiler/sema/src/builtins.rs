@@ -26,15 +26,6 @@ fn default_value(text: &str) -> Option<Value> {
     text.parse::<f64>().ok().map(Value::Float)
 }
 
-fn value_ty(v: &Value) -> Ty {
-    match v {
-        Value::Int(_) => Ty::Int,
-        Value::Float(_) => Ty::Float,
-        Value::Bool(_) => Ty::Bool,
-        Value::Str(_) => Ty::Str,
-    }
-}
-
 /// Checks the bound arguments, filling defaults; `None` for an absent argument without default.
 fn args(
     ch: &mut Checker<'_>,
@@ -48,14 +39,10 @@ fn args(
         .zip(bound)
         .map(|(p, a)| match a {
             Some(e) => Some(ch.expr(cx, e)),
-            None => p.default.and_then(default_value).map(|v| {
-                mk(
-                    ExprKind::Lit(v.clone()),
-                    value_ty(&v),
-                    Granularity::Scalar,
-                    span,
-                )
-            }),
+            None => p
+                .default
+                .and_then(default_value)
+                .map(|v| mk(ExprKind::Lit(v.clone()), v.ty(), Granularity::Scalar, span)),
         })
         .collect()
 }

@@ -36,6 +36,16 @@ impl Value {
         }
     }
 
+    /// The type of the value.
+    pub fn ty(&self) -> Ty {
+        match self {
+            Value::Int(_) => Ty::Int,
+            Value::Float(_) => Ty::Float,
+            Value::Bool(_) => Ty::Bool,
+            Value::Str(_) => Ty::Str,
+        }
+    }
+
     pub fn as_i64(&self) -> Option<i64> {
         match self {
             Value::Int(i) => Some(*i),

@@ -186,7 +186,7 @@ impl Checker<'_> {
         }
     }
 
-    fn range(&mut self, e: &ast::OptionEntry, v: f64, ok: bool, rule: &str) {
+    pub(crate) fn range(&mut self, e: &ast::OptionEntry, v: f64, ok: bool, rule: &str) {
         if !ok {
             self.report(
                 err(

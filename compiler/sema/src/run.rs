@@ -335,10 +335,10 @@ impl Checker<'_> {
                 if setting.is_none() {
                     let i = v.as_i64().unwrap_or(0);
                     if key == "seed" {
-                        self.range_check(e, i as f64, i >= 0, ">= 0");
+                        self.range(e, i as f64, i >= 0, ">= 0");
                         seed = i;
                     } else {
-                        self.range_check(e, i as f64, i > 0, "> 0");
+                        self.range(e, i as f64, i > 0, "> 0");
                         checkpoint_every = i;
                     }
                     continue;
@@ -436,20 +436,6 @@ impl Checker<'_> {
         })
     }
 
-    fn range_check(&mut self, e: &ast::OptionEntry, v: f64, ok: bool, rule: &str) {
-        if !ok {
-            self.report(
-                err(
-                    Code::E0411,
-                    format!("`{}` is {v}, but it must be {rule}", e.key.name),
-                    e.span,
-                    format!("must be {rule}"),
-                )
-                .with_help(format!("choose a value {rule}")),
-            );
-        }
-    }
-
     fn run_arg(&mut self, p: &Param, a: &ast::Expr) -> Option<RunArg> {
         let named = match &a.kind {
             ast::ExprKind::Path(path) => path.as_single().cloned(),
@@ -544,14 +530,14 @@ impl Checker<'_> {
                 None
             }
             (ty, _) => match self.const_eval(a, &BTreeMap::new()) {
-                Ok(v) if crate::items::scalar_accepts(ty, &value_ty(&v)) => {
+                Ok(v) if crate::items::scalar_accepts(ty, &v.ty()) => {
                     Some(RunArg::Value(coerce(v, ty)))
                 }
                 Ok(v) => {
                     self.report(
                         err(
                             Code::E0301,
-                            format!("`{}` must be {ty}, not {}", p.name, value_ty(&v).describe()),
+                            format!("`{}` must be {ty}, not {}", p.name, v.ty().describe()),
                             a.span,
                             format!("expected {ty}"),
                         )
@@ -965,15 +951,6 @@ impl Checker<'_> {
                 }
             }
         }
-    }
-}
-
-fn value_ty(v: &Value) -> Ty {
-    match v {
-        Value::Int(_) => Ty::Int,
-        Value::Float(_) => Ty::Float,
-        Value::Bool(_) => Ty::Bool,
-        Value::Str(_) => Ty::Str,
     }
 }
 
