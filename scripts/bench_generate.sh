@@ -6,7 +6,8 @@
 #
 #   scripts/bench_generate.sh [REPEATS]      (default 5 runs per configuration)
 #
-# Needs transformers in .pydeps (`.venv/bin/python -m pip install --target .pydeps transformers`).
+# Installs transformers into .pydeps (its own folder beside the project's .venv, which it reuses
+# for torch) on first use.
 # Results are recorded in docs/benchmarks.md, section "Generation".
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,6 +15,10 @@ REPEATS="${1:-5}"
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target-rt}"
 PY=".venv/bin/python"
 export PYTHONPATH="$PWD/.pydeps${PYTHONPATH:+:$PYTHONPATH}"
+if ! "$PY" -c "import transformers" 2>/dev/null; then
+  echo "installing transformers into .pydeps"
+  "$PY" -m pip install --quiet --disable-pip-version-check --target .pydeps transformers
+fi
 MODEL="${BENCH_MODEL_DIR:-/tmp/braid-bench-model}"
 # OpenMP threads spin while waiting by default; on a machine shared with other work (ours runs
 # other engineers' builds) two spinning threads lose their cores and throughput collapses by
