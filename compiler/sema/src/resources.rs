@@ -890,7 +890,24 @@ impl Checker<'_> {
             }
             return Some(Cluster::Cpu);
         }
-        let (g, gspan) = gpus?;
+        let Some((g, gspan)) = gpus else {
+            // Without a GPU count or `cpu` the block says nothing the planner can use; an
+            // invalid count was reported already.
+            if !opts.entries.contains_key("gpus") {
+                self.report(
+                    err(
+                        Code::E0308,
+                        "`cluster` needs `gpus: N` or `cpu`",
+                        c.options.span,
+                        "no devices given",
+                    )
+                    .with_help(
+                        "write `cluster { gpus: 8, gpu: \"H100-80G\" }` or `cluster { cpu }`",
+                    ),
+                );
+            }
+            return None;
+        };
         let n = nodes.map_or(1, |x| x.0);
         if g % n != 0 {
             self.report(
