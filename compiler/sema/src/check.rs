@@ -872,28 +872,8 @@ impl<'a> Checker<'a> {
         for n in &args.named {
             match params.iter().position(|p| p.name == n.name.name) {
                 None => {
-                    let suggestion = suggest(&n.name.name, params.iter().map(|p| p.name.as_str()));
-                    let help = match &suggestion {
-                        Some(s) => format!("did you mean `{s}`?"),
-                        None => format!(
-                            "the parameters are: {}",
-                            params
-                                .iter()
-                                .map(|p| p.name.as_str())
-                                .collect::<Vec<_>>()
-                                .join(", ")
-                        ),
-                    };
-                    self.report(
-                        err(
-                            Code::E0208,
-                            format!("{what} has no parameter `{}`", n.name.name),
-                            n.name.span,
-                            "unknown argument",
-                        )
-                        .with_help(help)
-                        .with_suggestion(n.name.span, suggestion.as_deref()),
-                    );
+                    let names: Vec<&str> = params.iter().map(|p| p.name.as_str()).collect();
+                    self.report(unknown_argument(what, &n.name, &names));
                 }
                 Some(i) if bound[i].is_some() => {
                     let prev = bound[i].map_or(call_span, |e| e.span);
@@ -1327,6 +1307,24 @@ fn articles(s: &str) -> String {
         }
     }
     out
+}
+
+/// E0208: a named argument matching no parameter of `what` (`` `tiny` ``, `` `grpo` ``, …),
+/// with a "did you mean" help and quick fix when a parameter is close.
+pub(crate) fn unknown_argument(what: &str, name: &ast::Ident, params: &[&str]) -> Diagnostic {
+    let suggestion = suggest(&name.name, params.iter().copied());
+    let help = match &suggestion {
+        Some(s) => format!("did you mean `{s}`?"),
+        None => format!("{what} takes {}", params.join(", ")),
+    };
+    err(
+        Code::E0208,
+        format!("{what} has no parameter `{}`", name.name),
+        name.span,
+        "unknown argument",
+    )
+    .with_help(help)
+    .with_suggestion(name.span, suggestion.as_deref())
 }
 
 fn plural(n: usize) -> &'static str {

@@ -7,7 +7,7 @@ use braid_diagnostics::{Code, Diagnostic, Span};
 use braid_stdlib::OptionSpec;
 use braid_syntax::ast;
 
-use crate::check::Checker;
+use crate::check::{Checker, unknown_argument};
 use crate::hir::*;
 use crate::items::closest;
 
@@ -426,7 +426,6 @@ impl Checker<'_> {
                 );
                 continue;
             }
-            let val = self.const_eval(&n.value, &BTreeMap::new());
             let entry = ast::OptionEntry {
                 key: n.name.clone(),
                 value: ast::OptionValue::Expr(n.value.clone()),
@@ -481,8 +480,7 @@ impl Checker<'_> {
                         };
                     }
                 }
-                other => {
-                    let _ = val;
+                _ => {
                     let names = [
                         "lr",
                         "weight_decay",
@@ -492,21 +490,7 @@ impl Checker<'_> {
                         "warmup",
                         "schedule",
                     ];
-                    let suggestion = closest(other, &names);
-                    let help = match &suggestion {
-                        Some(s) => format!("did you mean `{s}`?"),
-                        None => format!("`adamw` takes {}", names.join(", ")),
-                    };
-                    self.report(
-                        err(
-                            Code::E0208,
-                            format!("`adamw` has no parameter `{other}`"),
-                            n.name.span,
-                            "unknown argument",
-                        )
-                        .with_help(help)
-                        .with_suggestion(n.name.span, suggestion.as_deref()),
-                    );
+                    self.report(unknown_argument("`adamw`", &n.name, &names));
                 }
             }
         }
@@ -553,21 +537,7 @@ impl Checker<'_> {
         let mut ok = true;
         for n in &s.args.named {
             let Some(key) = names.iter().copied().find(|k| *k == n.name.name) else {
-                let suggestion = closest(&n.name.name, &names);
-                let help = match &suggestion {
-                    Some(x) => format!("did you mean `{x}`?"),
-                    None => format!("`tiny` takes {}", names.join(", ")),
-                };
-                self.report(
-                    err(
-                        Code::E0208,
-                        format!("`tiny` has no parameter `{}`", n.name.name),
-                        n.name.span,
-                        "unknown argument",
-                    )
-                    .with_help(help)
-                    .with_suggestion(n.name.span, suggestion.as_deref()),
-                );
+                self.report(unknown_argument("`tiny`", &n.name, &names));
                 ok = false;
                 continue;
             };
@@ -715,15 +685,7 @@ impl Checker<'_> {
                 }
                 for n in &d.source.args.named {
                     if !allowed.contains(&n.name.name.as_str()) {
-                        self.report(
-                            err(
-                                Code::E0208,
-                                format!("`{src}` has no parameter `{}`", n.name.name),
-                                n.name.span,
-                                "unknown argument",
-                            )
-                            .with_help(format!("`{src}` takes {}", allowed.join(", "))),
-                        );
+                        self.report(unknown_argument(&format!("`{src}`"), &n.name, allowed));
                         continue;
                     }
                     let entry = ast::OptionEntry {

@@ -215,21 +215,11 @@ impl Checker<'_> {
                 Some(i) => bound[i] = Some(&n.value),
                 None => {
                     let names: Vec<&str> = pl.params.iter().map(|p| p.name.as_str()).collect();
-                    let suggestion = closest(&n.name.name, &names);
-                    let help = match &suggestion {
-                        Some(s) => format!("did you mean `{s}`?"),
-                        None => format!("`{name}` takes {}", names.join(", ")),
-                    };
-                    self.report(
-                        err(
-                            Code::E0208,
-                            format!("`{name}` has no parameter `{}`", n.name.name),
-                            n.name.span,
-                            "unknown argument",
-                        )
-                        .with_help(help)
-                        .with_suggestion(n.name.span, suggestion.as_deref()),
-                    );
+                    self.report(crate::check::unknown_argument(
+                        &format!("`{name}`"),
+                        &n.name,
+                        &names,
+                    ));
                     ok = false;
                 }
             }
