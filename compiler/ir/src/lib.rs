@@ -1,3 +1,4 @@
 //! braid-ir: see ARCHITECTURE.md.
 
+pub mod graph;
 pub mod kernel;

@@ -8,6 +8,7 @@ mod check;
 pub mod hir;
 mod items;
 mod load;
+pub mod lower_graph;
 pub mod lower_kernel;
 pub mod pretty;
 mod resources;
