@@ -122,6 +122,7 @@ fn run(o: &Opts) -> Result<(), String> {
     };
     let engine = EngineOptions {
         max_batch: o.prompts,
+        ..EngineOptions::default()
     };
     // Warm-up: first calls allocate and pick kernels.
     generate(
@@ -132,7 +133,7 @@ fn run(o: &Opts) -> Result<(), String> {
             max_new_tokens: 4,
             ..params.clone()
         },
-        engine,
+        engine.clone(),
     )
     .map_err(|e| e.to_string())?;
     let mut secs = Vec::new();
@@ -145,7 +146,8 @@ fn run(o: &Opts) -> Result<(), String> {
         };
         let t = Instant::now();
         let c = cpu_seconds();
-        let out = generate(&model, &tok, ids.clone(), p, engine).map_err(|e| e.to_string())?;
+        let out =
+            generate(&model, &tok, ids.clone(), p, engine.clone()).map_err(|e| e.to_string())?;
         secs.push(t.elapsed().as_secs_f64());
         cpu.push(cpu_seconds() - c);
         tokens = out.iter().map(|s| s.token_ids.len()).sum::<usize>();

@@ -12,16 +12,21 @@
 //! `Rng::for_sample(seed, p, s)`, so its text does not depend on the batch it ran in (test
 //! `same_seed_same_text_whatever_the_batch`).
 //!
-//! Speculative decoding (a later issue) plugs in at `decode_step`: feed each row its last token
-//! plus k drafted tokens through `Model::forward_cached` (which appends any number of tokens
-//! per row and returns the hidden state of each), accept a prefix, and roll each row back with
-//! `KvCache::truncate`.
+//! Speculative decoding (`EngineOptions::speculate`, pieces in `spec.rs`) happens in
+//! `decode_step`: before each step the batch's draft length is chosen (fixed for `ngram:N`,
+//! from measured costs and acceptance rates for `auto` and `draft:DIR`); a speculative step
+//! feeds each row its last token plus its drafts through one `Model::forward_cached` call,
+//! verifies them, appends the accepted prefix and the target's next token, and rolls each row
+//! back over the rejected drafts with `KvCache::truncate`. A draft model keeps its own cache
+//! with the same rows, prefilled with the target's, and catches up on the tokens it has not
+//! seen when it next drafts.
 //!
 //! This module must not print, and must not tokenize more than the stop-string check needs.
 
 use std::collections::VecDeque;
 use std::sync::mpsc;
 use std::thread;
+use std::time::Instant;
 
 use tch::{Kind, Tensor};
 
@@ -30,18 +35,33 @@ use crate::error::{Error, Result};
 use crate::model::{Head, Model};
 use crate::rng::Rng;
 use crate::sampling::{SamplingParams, sample_token};
+use crate::spec::{
+    self, AUTO_MAX_DRAFT, Acceptance, CostModel, DRAFT_MODEL_MAX_DRAFT, MAX_DRAFT, NgramIndex,
+    RowOutlook, SpeculateMode, StepRecord,
+};
 use crate::tokenizer::Tokenizer;
 
-/// Engine settings that do not change the result.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Engine settings that do not change the result's distribution. (Greedy text never changes;
+/// sampled text is the same with `off`, `auto` and `ngram`, and follows the same distribution
+/// but differs with a draft model.)
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EngineOptions {
     /// Most samples decoded together (rows of the KV cache).
     pub max_batch: usize,
+    /// Speculative decoding (default off).
+    pub speculate: SpeculateMode,
+    /// Forces the draft length of `Auto` and `Draft` at every step instead of choosing it from
+    /// measured costs (for tests and reproducible draft-model sampling); `None` by default.
+    pub draft_len: Option<usize>,
 }
 
 impl Default for EngineOptions {
     fn default() -> Self {
-        EngineOptions { max_batch: 32 }
+        EngineOptions {
+            max_batch: 32,
+            speculate: SpeculateMode::Off,
+            draft_len: None,
+        }
     }
 }
 
@@ -81,11 +101,113 @@ struct Running {
     logprobs: Vec<f32>,
     /// Generated tokens allowed for this sample (`max_new_tokens`, capped by the model's length).
     budget: usize,
+    /// The prompt and completion so far, indexed for n-gram drafts (n-gram modes only).
+    ngram: Option<NgramIndex>,
+    /// How often this sample's drafts are accepted.
+    acceptance: Acceptance,
+}
+
+/// How drafts are made.
+enum Drafter {
+    Ngram,
+    /// A draft model and its cache, whose rows are the target cache's rows.
+    Model {
+        model: Box<Model>,
+        cache: KvCache,
+    },
+}
+
+/// What the draft model proposed in one step.
+struct ModelDrafts {
+    /// Per row, its drafted tokens.
+    drafts: Vec<Vec<i64>>,
+    /// Per row, the draft logits each token was sampled from (`drafts × vocab`; only when
+    /// sampling).
+    logits: Vec<Vec<f32>>,
+    /// The draft model's vocabulary size.
+    vocab: usize,
+}
+
+/// Speculation state of a generation.
+struct Speculator {
+    drafter: Drafter,
+    /// `Some(k)`: always draft `k` tokens; `None`: choose per step, up to `max_len`.
+    fixed: Option<usize>,
+    max_len: usize,
+    /// Seconds of a step (without the draft model's passes) by tokens verified.
+    target_cost: CostModel,
+    /// Seconds of one draft-model pass by tokens fed.
+    draft_cost: CostModel,
+}
+
+impl Speculator {
+    fn new(options: &EngineOptions, model: &Model, tokenizer: &Tokenizer) -> Result<Option<Self>> {
+        if let Some(k) = options.draft_len
+            && k > MAX_DRAFT
+        {
+            return Err(Error::invalid(
+                "draft_len",
+                format!("must be at most {MAX_DRAFT}, found {k}"),
+            ));
+        }
+        let (drafter, fixed, max_len) = match &options.speculate {
+            SpeculateMode::Off => return Ok(None),
+            SpeculateMode::Auto => (Drafter::Ngram, options.draft_len, AUTO_MAX_DRAFT),
+            SpeculateMode::Ngram(n) => {
+                if !(1..=MAX_DRAFT).contains(n) {
+                    return Err(Error::invalid(
+                        "speculate",
+                        format!("the n-gram draft length must be from 1 to {MAX_DRAFT}, found {n}"),
+                    ));
+                }
+                (Drafter::Ngram, Some(*n), *n)
+            }
+            SpeculateMode::Draft(dir) => {
+                let draft = spec::load_draft(dir, model, tokenizer)?;
+                let cache = draft.new_cache(0);
+                (
+                    Drafter::Model {
+                        model: Box::new(draft),
+                        cache,
+                    },
+                    options.draft_len,
+                    DRAFT_MODEL_MAX_DRAFT,
+                )
+            }
+        };
+        Ok(Some(Speculator {
+            drafter,
+            fixed,
+            max_len: fixed.unwrap_or(max_len),
+            target_cost: CostModel::default(),
+            draft_cost: CostModel::default(),
+        }))
+    }
+
+    fn draft_model(&self) -> Option<&Model> {
+        match &self.drafter {
+            Drafter::Model { model, .. } => Some(model),
+            Drafter::Ngram => None,
+        }
+    }
+}
+
+impl Running {
+    /// Appends a generated token (and indexes it for n-gram drafts).
+    fn push(&mut self, token: i64, logprob: f32) {
+        self.tokens.push(token);
+        self.logprobs.push(logprob);
+        if let Some(ix) = &mut self.ngram {
+            ix.push(token);
+        }
+    }
 }
 
 /// Prefilled prompts whose samples are not all admitted yet.
 struct Prefilled {
     cache: KvCache,
+    /// The draft model's cache of the same prompts (with a draft model only).
+    draft_cache: Option<KvCache>,
     /// Per cache row: prompt index, logits after the prompt, samples still to admit.
     rows: Vec<(usize, Vec<f32>, usize)>,
 }
@@ -105,6 +227,8 @@ pub struct Generation<'m> {
     running: Vec<Running>,
     done: VecDeque<Sample>,
     failed: bool,
+    spec: Option<Speculator>,
+    steps: Vec<StepRecord>,
 }
 
 /// Starts generating `params.n` samples for each prompt (token ids). Nothing runs until the
@@ -150,6 +274,7 @@ pub fn generate_stream<'m>(
     } else {
         Vec::new()
     };
+    let spec = Speculator::new(&options, model, tokenizer)?;
     Ok(Generation {
         model,
         tokenizer,
@@ -163,6 +288,8 @@ pub fn generate_stream<'m>(
         running: Vec::new(),
         done: VecDeque::new(),
         failed: false,
+        spec,
+        steps: Vec::new(),
     })
 }
 
@@ -290,7 +417,20 @@ impl Generation<'_> {
                 .enumerate()
                 .map(|(i, &p)| (p, flat[i * v..(i + 1) * v].to_vec(), self.params.n))
                 .collect();
-            self.prefilled.push(Prefilled { cache, rows });
+            let draft_cache = self
+                .spec
+                .as_ref()
+                .and_then(Speculator::draft_model)
+                .map(|draft| {
+                    let mut c = draft.new_cache(chunk.len());
+                    let _ = draft.forward_cached(&mut c, &ids, &lens);
+                    c
+                });
+            self.prefilled.push(Prefilled {
+                cache,
+                draft_cache,
+                rows,
+            });
         }
         Ok(())
     }
@@ -331,6 +471,10 @@ impl Generation<'_> {
                 let prompt_len = self.prompts[p].len();
                 let room = (self.model.config().max_position_embeddings as usize)
                     .saturating_sub(prompt_len);
+                let ngram = match self.spec.as_ref().map(|sp| &sp.drafter) {
+                    Some(Drafter::Ngram) => Some(NgramIndex::new(&self.prompts[p])),
+                    _ => None,
+                };
                 let mut run = Running {
                     prompt: p,
                     sample: s,
@@ -338,10 +482,11 @@ impl Generation<'_> {
                     tokens: Vec::new(),
                     logprobs: Vec::new(),
                     budget: self.params.max_new_tokens.min(room),
+                    ngram,
+                    acceptance: Acceptance::default(),
                 };
                 let (tok, lp) = sample_token(&row.1, &self.params, &mut run.rng);
-                run.tokens.push(tok);
-                run.logprobs.push(lp);
+                run.push(tok, lp);
                 if let Some(done) = self.finished(&run) {
                     self.done.push_back(done);
                 } else {
@@ -352,6 +497,12 @@ impl Generation<'_> {
             // Copy rows batch by batch; keep `running` in the same order as cache rows.
             for (b, rows) in copies.iter().enumerate() {
                 self.cache.push_rows(&self.prefilled[b].cache, rows);
+                if let (Some(src), Some(Drafter::Model { cache, .. })) = (
+                    &self.prefilled[b].draft_cache,
+                    self.spec.as_mut().map(|sp| &mut sp.drafter),
+                ) {
+                    cache.push_rows(src, rows);
+                }
             }
             order.sort_by_key(|(b, _)| *b);
             self.running.extend(order.into_iter().map(|(_, run)| run));
@@ -400,31 +551,117 @@ impl Generation<'_> {
         })
     }
 
-    /// Decodes one token for every running sample.
+    /// What each decode step did, in order (rows, draft length, drafted, accepted and
+    /// emitted tokens, wall time).
+    pub fn step_log(&self) -> &[StepRecord] {
+        &self.steps
+    }
+
+    /// Decodes one step for every running sample: one token, or with speculation the accepted
+    /// drafts plus the target's next token.
     fn decode_step(&mut self) -> Result<()> {
-        let last: Vec<i64> = self
+        let start = Instant::now();
+        let rows = self.running.len();
+        let (k, mut drafts) = self.plan_drafts();
+        let mut draft_logits: Vec<Vec<f32>> = Vec::new();
+        let mut draft_vocab = 0;
+        let mut draft_secs = 0.0;
+        // Per row: the sequence length before this step (prompt and completion).
+        let seq_lens: Vec<i64> = self
             .running
             .iter()
-            .map(|r| r.tokens.last().copied().unwrap_or(0))
+            .map(|r| (self.prompts[r.prompt].len() + r.tokens.len()) as i64)
             .collect();
-        let rows = last.len();
-        let ids = Tensor::from_slice(&last).reshape([rows as i64, 1]);
-        let hidden = self
-            .model
-            .forward_cached(&mut self.cache, &ids, &vec![1; rows]);
-        let logits = tch::no_grad(|| self.model.apply_head(&hidden.squeeze_dim(1)));
+        let with_model = matches!(
+            self.spec.as_ref().map(|sp| &sp.drafter),
+            Some(Drafter::Model { .. })
+        );
+        if k > 0 && with_model {
+            let caps: Vec<usize> = drafts.iter().map(Vec::len).collect();
+            let t0 = Instant::now();
+            let made = self.draft_with_model(k, &caps)?;
+            (drafts, draft_logits, draft_vocab) = (made.drafts, made.logits, made.vocab);
+            draft_secs = t0.elapsed().as_secs_f64();
+        }
+        // One pass of the target over each row's last token and its drafts (right-padded).
+        let t = k + 1;
+        let mut ids = Vec::with_capacity(rows * t);
+        let mut valid = Vec::with_capacity(rows);
+        for (run, d) in self.running.iter().zip(&drafts) {
+            ids.push(run.tokens.last().copied().unwrap_or(0));
+            ids.extend_from_slice(d);
+            ids.extend(std::iter::repeat_n(0, k - d.len()));
+            valid.push(1 + d.len() as i64);
+        }
+        let old_lens = self.cache.lens().to_vec();
+        let ids = Tensor::from_slice(&ids).reshape([rows as i64, t as i64]);
+        let hidden = self.model.forward_cached(&mut self.cache, &ids, &valid);
+        let logits = if k == 0 {
+            tch::no_grad(|| self.model.apply_head(&hidden.squeeze_dim(1)))
+        } else {
+            // Only the positions that verify something: row r's first 1 + drafts.
+            let mut at = Vec::with_capacity(valid.iter().sum::<i64>() as usize);
+            for (r, &n) in valid.iter().enumerate() {
+                at.extend((0..n).map(|j| (r * t) as i64 + j));
+            }
+            let at = Tensor::from_slice(&at).to_device(hidden.device());
+            let flat = hidden.reshape([(rows * t) as i64, -1]).index_select(0, &at);
+            tch::no_grad(|| self.model.apply_head(&flat))
+        };
         let flat = to_host(&logits)?;
-        let v = flat.len() / rows.max(1);
+        let positions: usize = valid.iter().map(|&n| n as usize).sum();
+        let v = flat.len() / positions.max(1);
         let mut keep = Vec::with_capacity(rows);
         let mut still = Vec::with_capacity(rows);
+        let mut record = StepRecord {
+            rows,
+            draft_len: k,
+            ..StepRecord::default()
+        };
+        let mut offset = 0;
+        let mut truncate = Vec::with_capacity(rows);
         let running = std::mem::take(&mut self.running);
         for (i, mut run) in running.into_iter().enumerate() {
-            let (tok, lp) = sample_token(&flat[i * v..(i + 1) * v], &self.params, &mut run.rng);
-            run.tokens.push(tok);
-            run.logprobs.push(lp);
-            match self.finished(&run) {
+            let d = &drafts[i];
+            let n = d.len() + 1;
+            let target = &flat[offset * v..(offset + n) * v];
+            offset += n;
+            let out = if d.is_empty() {
+                vec![sample_token(target, &self.params, &mut run.rng)]
+            } else if with_model && !self.params.greedy {
+                spec::verify_sampled(
+                    target,
+                    v,
+                    &draft_logits[i],
+                    draft_vocab,
+                    d,
+                    &self.params,
+                    &mut run.rng,
+                )
+            } else {
+                spec::verify_point(target, v, d, &self.params, &mut run.rng)
+            };
+            let accepted = out.len() - 1;
+            run.acceptance.observe(d.len(), accepted);
+            record.drafted += d.len();
+            record.accepted += accepted;
+            let mut finished = None;
+            for (tok, lp) in out {
+                run.push(tok, lp);
+                record.emitted += 1;
+                finished = self.finished(&run);
+                if finished.is_some() {
+                    break;
+                }
+            }
+            match finished {
                 Some(done) => self.done.push_back(done),
                 None => {
+                    // Keep the last token and the accepted drafts; drop the rejected ones.
+                    if !d.is_empty() {
+                        self.cache.truncate(i, old_lens[i] + 1 + accepted as i64)?;
+                    }
+                    truncate.push(seq_lens[i] + accepted as i64);
                     keep.push(i);
                     still.push(run);
                 }
@@ -432,7 +669,164 @@ impl Generation<'_> {
         }
         self.cache.retain_rows(&keep);
         self.running = still;
+        if let Some(sp) = &mut self.spec {
+            if let Drafter::Model { cache, .. } = &mut sp.drafter {
+                cache.retain_rows(&keep);
+                // The draft model's cache holds what it read while drafting; keep the part
+                // that is still the sample's text.
+                for (row, &want) in truncate.iter().enumerate() {
+                    let have = cache.lens()[row];
+                    if have > want {
+                        cache.truncate(row, want)?;
+                    }
+                }
+            }
+            let secs = start.elapsed().as_secs_f64() - draft_secs;
+            sp.target_cost.observe(rows * t, secs);
+        }
+        record.secs = start.elapsed().as_secs_f64();
+        self.steps.push(record);
         Ok(())
+    }
+
+    /// Chooses this step's draft length and, for the n-gram drafter, each row's drafts (for a
+    /// draft model, vectors of its length limits, which `draft_with_model` fills).
+    fn plan_drafts(&mut self) -> (usize, Vec<Vec<i64>>) {
+        let rows = self.running.len();
+        let none = || (0, vec![Vec::new(); rows]);
+        let Some(sp) = &self.spec else {
+            return none();
+        };
+        // A row may emit at most its remaining budget: drafts + 1 ≤ remaining.
+        let caps: Vec<usize> = self
+            .running
+            .iter()
+            .map(|r| {
+                r.budget
+                    .saturating_sub(r.tokens.len())
+                    .saturating_sub(1)
+                    .min(sp.max_len)
+            })
+            .collect();
+        let mut drafts: Vec<Vec<i64>> = match &sp.drafter {
+            Drafter::Ngram => self
+                .running
+                .iter()
+                .zip(&caps)
+                .map(|(r, &cap)| r.ngram.as_ref().map(|ix| ix.draft(cap)).unwrap_or_default())
+                .collect(),
+            Drafter::Model { .. } => caps.iter().map(|&c| vec![0; c]).collect(),
+        };
+        let available: Vec<usize> = drafts.iter().map(Vec::len).collect();
+        let longest = available.iter().copied().max().unwrap_or(0);
+        let k = match sp.fixed {
+            Some(k) => k.min(longest),
+            None => {
+                let outlook: Vec<RowOutlook> = self
+                    .running
+                    .iter()
+                    .zip(&available)
+                    .map(|(r, &a)| RowOutlook {
+                        alpha: r.acceptance.rate(),
+                        available: a,
+                    })
+                    .collect();
+                let draft_cost = match sp.drafter {
+                    Drafter::Model { .. } => Some(&sp.draft_cost),
+                    Drafter::Ngram => None,
+                };
+                spec::choose_draft_len(&outlook, sp.max_len, &sp.target_cost, draft_cost)
+            }
+        };
+        if k == 0 {
+            for (r, &a) in self.running.iter_mut().zip(&available) {
+                if a > 0 {
+                    r.acceptance.idle();
+                }
+            }
+            return none();
+        }
+        for d in &mut drafts {
+            d.truncate(k);
+        }
+        let k = drafts.iter().map(Vec::len).max().unwrap_or(0);
+        (k, drafts)
+    }
+
+    /// Drafts `k` tokens per row with the draft model (rows keep the first `caps[r]`), after
+    /// feeding it the tokens of each row it has not read yet.
+    fn draft_with_model(&mut self, k: usize, caps: &[usize]) -> Result<ModelDrafts> {
+        let rows = self.running.len();
+        let Some(Speculator {
+            drafter: Drafter::Model { model, cache },
+            draft_cost,
+            ..
+        }) = &mut self.spec
+        else {
+            return Ok(ModelDrafts {
+                drafts: vec![Vec::new(); rows],
+                logits: Vec::new(),
+                vocab: 0,
+            });
+        };
+        let keep_logits = !self.params.greedy;
+        let mut drafts: Vec<Vec<i64>> = vec![Vec::with_capacity(k); rows];
+        let mut logits_out: Vec<Vec<f32>> = vec![Vec::new(); rows];
+        let mut vocab = 0;
+        // First pass: everything each row's cache lacks (at least the last token).
+        let mut feeds: Vec<Vec<i64>> = Vec::with_capacity(rows);
+        for (run, &have) in self.running.iter().zip(cache.lens()) {
+            let prompt = &self.prompts[run.prompt];
+            let have = have as usize;
+            let mut f: Vec<i64> = prompt.get(have..).unwrap_or_default().to_vec();
+            f.extend_from_slice(&run.tokens[have.saturating_sub(prompt.len())..]);
+            feeds.push(f);
+        }
+        let width = feeds.iter().map(Vec::len).max().unwrap_or(1).max(1);
+        let mut ids = Vec::with_capacity(rows * width);
+        let mut valid = Vec::with_capacity(rows);
+        for f in &feeds {
+            ids.extend_from_slice(f);
+            ids.extend(std::iter::repeat_n(0, width - f.len()));
+            valid.push(f.len() as i64);
+        }
+        let mut ids = Tensor::from_slice(&ids).reshape([rows as i64, width as i64]);
+        let mut last: Vec<i64> = valid.iter().map(|&n| (n - 1).max(0)).collect();
+        for step in 0..k {
+            let t0 = Instant::now();
+            let hidden = model.forward_cached(cache, &ids, &valid);
+            let r = Tensor::arange(rows as i64, (Kind::Int64, hidden.device()));
+            let at = Tensor::from_slice(&last).to_device(hidden.device());
+            let logits = tch::no_grad(|| model.apply_head(&hidden.index(&[Some(r), Some(at)])));
+            let flat = to_host(&logits)?;
+            draft_cost.observe(rows * ids.size()[1] as usize, t0.elapsed().as_secs_f64());
+            vocab = flat.len() / rows.max(1);
+            let mut next = Vec::with_capacity(rows);
+            for (i, run) in self.running.iter_mut().enumerate() {
+                // Past a row's limit its drafts are not used (and cut from the cache after
+                // verification): feed anything, draw nothing from its generator.
+                let mut tok = 0;
+                if step < caps[i] {
+                    let row = &flat[i * vocab..(i + 1) * vocab];
+                    tok = sample_token(row, &self.params, &mut run.rng).0;
+                    drafts[i].push(tok);
+                    if keep_logits {
+                        logits_out[i].extend_from_slice(row);
+                    }
+                }
+                next.push(tok);
+            }
+            if step + 1 < k {
+                ids = Tensor::from_slice(&next).reshape([rows as i64, 1]);
+                valid = vec![1; rows];
+                last = vec![0; rows];
+            }
+        }
+        Ok(ModelDrafts {
+            drafts,
+            logits: logits_out,
+            vocab,
+        })
     }
 }
 
@@ -544,7 +938,10 @@ mod tests {
             &tok,
             all.clone(),
             params.clone(),
-            EngineOptions { max_batch: 12 },
+            EngineOptions {
+                max_batch: 12,
+                ..EngineOptions::default()
+            },
         )
         .unwrap();
         // Small batches force continuous batching: rows free up and later samples take them.
@@ -553,7 +950,10 @@ mod tests {
             &tok,
             all.clone(),
             params.clone(),
-            EngineOptions { max_batch: 2 },
+            EngineOptions {
+                max_batch: 2,
+                ..EngineOptions::default()
+            },
         )
         .unwrap();
         // Tokens and text are identical; log-probabilities agree to rounding (matrix products
@@ -584,7 +984,10 @@ mod tests {
             &tok,
             reordered,
             params.clone(),
-            EngineOptions { max_batch: 5 },
+            EngineOptions {
+                max_batch: 5,
+                ..EngineOptions::default()
+            },
         )
         .unwrap();
         let pick = |v: &[Sample], p: usize| {
@@ -681,7 +1084,10 @@ mod tests {
             &tok,
             ps.clone(),
             params.clone(),
-            EngineOptions { max_batch: 3 },
+            EngineOptions {
+                max_batch: 3,
+                ..EngineOptions::default()
+            },
         )
         .unwrap();
         assert_eq!(out.len(), 4);
@@ -710,7 +1116,16 @@ mod tests {
             stop_at_eos: false,
             ..SamplingParams::default()
         };
-        let (rx, handle) = spawn_generation(m, tok, ps, params, EngineOptions { max_batch: 2 });
+        let (rx, handle) = spawn_generation(
+            m,
+            tok,
+            ps,
+            params,
+            EngineOptions {
+                max_batch: 2,
+                ..EngineOptions::default()
+            },
+        );
         let got: Vec<Sample> = rx.iter().map(Result::unwrap).collect();
         assert_eq!(got.len(), 6);
         let (_model, _tok) = handle.join().unwrap();

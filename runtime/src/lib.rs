@@ -13,6 +13,7 @@ pub mod model;
 pub mod rng;
 pub mod sampling;
 pub mod save;
+pub mod spec;
 pub mod tiny;
 pub mod tokenizer;
 pub mod weights;
