@@ -179,6 +179,7 @@ fn run_inner(args: &Args) -> Result<(), Error> {
     }
     let options = EngineOptions {
         max_batch: args.max_batch as usize,
+        ..EngineOptions::default()
     };
     let many = texts.len() * args.n as usize > 1;
     let stdout = std::io::stdout();
