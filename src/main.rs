@@ -11,6 +11,8 @@ mod fmt;
 #[cfg(feature = "runtime")]
 mod generate;
 mod lsp;
+#[cfg(feature = "runtime")]
+mod run;
 mod sim;
 
 #[derive(Parser)]
@@ -37,6 +39,9 @@ enum Command {
     Generate(generate::Args),
     /// Start the language server on stdio.
     Lsp(lsp::Args),
+    /// Train: execute a program's run, with checkpoints and metrics.
+    #[cfg(feature = "runtime")]
+    Run(run::Args),
     /// Simulate and schedule at cluster scale without GPUs.
     Sim(sim::Args),
 }
@@ -50,6 +55,8 @@ fn main() -> ExitCode {
         #[cfg(feature = "runtime")]
         Command::Generate(args) => generate::run(args),
         Command::Lsp(args) => lsp::run(args),
+        #[cfg(feature = "runtime")]
+        Command::Run(args) => run::run(args),
         Command::Sim(args) => sim::run(args),
     }
 }

@@ -4,12 +4,17 @@
 //! stream work, and the invariants with the tests that keep them.
 
 pub mod cache;
+pub mod checkpoint;
 pub mod config;
+pub mod data;
 pub mod device;
 pub mod engine;
 pub mod error;
+pub mod exec;
 pub mod infer;
+pub mod loss;
 pub mod model;
+pub mod optim;
 pub mod rng;
 pub mod sampling;
 pub mod save;

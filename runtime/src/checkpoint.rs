@@ -1,0 +1,231 @@
+//! Atomic checkpoints of a run.
+//!
+//! `RUN_DIR/checkpoints/step-NNNNNN/` holds, for every trained model, a Hugging Face directory
+//! (`models/NAME/`) and its optimizer state (`optimizer/NAME.safetensors`), plus `state.json`
+//! (step, data cursors, seed, the program's fingerprint). A checkpoint is written to a
+//! temporary directory, every file and the directory are fsynced, and it is renamed into place:
+//! a directory named `step-*` is always complete, whenever the process is killed. The newest
+//! `KEEP` checkpoints are kept.
+
+use std::collections::BTreeMap;
+use std::fs::{self, File, OpenOptions};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+use crate::model::Model;
+use crate::optim::AdamW;
+use crate::save::save_pretrained;
+use crate::tokenizer::Tokenizer;
+
+/// Checkpoints kept in a run directory.
+pub const KEEP: usize = 3;
+
+/// What a run needs besides weights to continue.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct State {
+    /// Steps completed.
+    pub step: i64,
+    /// Records drawn from each dataset.
+    pub cursors: BTreeMap<String, u64>,
+    pub seed: i64,
+    pub pipeline: String,
+    /// `exec::fingerprint` of the plan that wrote it.
+    pub fingerprint: String,
+}
+
+fn io(path: &Path, what: &str, e: std::io::Error) -> Error {
+    Error::file(path, format!("{what}: {e}"))
+}
+
+fn sync_dir(dir: &Path) -> Result<()> {
+    File::open(dir)
+        .and_then(|f| f.sync_all())
+        .map_err(|e| io(dir, "cannot sync directory", e))
+}
+
+/// fsyncs every file under `dir`, then the directories bottom-up.
+fn sync_tree(dir: &Path) -> Result<()> {
+    let entries = fs::read_dir(dir).map_err(|e| io(dir, "cannot list", e))?;
+    for entry in entries {
+        let entry = entry.map_err(|e| io(dir, "cannot list", e))?;
+        let path = entry.path();
+        if path.is_dir() {
+            sync_tree(&path)?;
+        } else {
+            File::open(&path)
+                .and_then(|f| f.sync_all())
+                .map_err(|e| io(&path, "cannot sync", e))?;
+        }
+    }
+    sync_dir(dir)
+}
+
+/// Writes a file atomically: a temporary file in the same directory, fsync, rename.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    let tmp = dir.join(format!(
+        ".{}.tmp-{}",
+        path.file_name().and_then(|n| n.to_str()).unwrap_or("file"),
+        std::process::id()
+    ));
+    {
+        let mut f = File::create(&tmp).map_err(|e| io(&tmp, "cannot create", e))?;
+        f.write_all(bytes)
+            .map_err(|e| io(&tmp, "cannot write", e))?;
+        f.sync_all().map_err(|e| io(&tmp, "cannot sync", e))?;
+    }
+    fs::rename(&tmp, path).map_err(|e| io(path, "cannot rename into place", e))?;
+    sync_dir(dir)
+}
+
+/// Appends one line and syncs it, so a completed step's metrics survive a kill.
+pub fn append_line(path: &Path, line: &str) -> Result<()> {
+    let mut f = OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .map_err(|e| io(path, "cannot open", e))?;
+    f.write_all(format!("{line}\n").as_bytes())
+        .map_err(|e| io(path, "cannot write", e))?;
+    f.sync_data().map_err(|e| io(path, "cannot sync", e))
+}
+
+/// Keeps the metrics of steps `1..=step` (a resumed run recomputes the later ones); a line cut
+/// short by a kill is dropped.
+pub fn truncate_metrics(path: &Path, step: i64) -> Result<()> {
+    if !path.exists() {
+        return Ok(());
+    }
+    let text = fs::read_to_string(path).map_err(|e| io(path, "cannot read", e))?;
+    let mut keep = String::new();
+    for line in text.lines() {
+        let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else {
+            continue;
+        };
+        if v.get("step")
+            .and_then(|s| s.as_i64())
+            .is_some_and(|s| s <= step)
+        {
+            keep.push_str(line);
+            keep.push('\n');
+        }
+    }
+    if keep != text {
+        write_atomic(path, keep.as_bytes())?;
+    }
+    Ok(())
+}
+
+fn step_dir_name(step: i64) -> String {
+    format!("step-{step:06}")
+}
+
+/// Writes a checkpoint of `models` (name, model, tokenizer, optimizer) and `state`; returns its
+/// directory.
+pub fn save(
+    run_dir: &Path,
+    state: &State,
+    models: &[(&str, &Model, &Tokenizer, &AdamW)],
+) -> Result<PathBuf> {
+    let root = run_dir.join("checkpoints");
+    fs::create_dir_all(&root).map_err(|e| io(&root, "cannot create", e))?;
+    let final_dir = root.join(step_dir_name(state.step));
+    let tmp = root.join(format!(
+        ".tmp-{}-{}",
+        step_dir_name(state.step),
+        std::process::id()
+    ));
+    if tmp.exists() {
+        fs::remove_dir_all(&tmp).map_err(|e| io(&tmp, "cannot remove", e))?;
+    }
+    fs::create_dir_all(tmp.join("optimizer")).map_err(|e| io(&tmp, "cannot create", e))?;
+    for (name, model, tokenizer, opt) in models {
+        save_pretrained(model, tokenizer, &tmp.join("models").join(name))?;
+        opt.save(&tmp.join("optimizer").join(format!("{name}.safetensors")))?;
+    }
+    let json = serde_json::to_string_pretty(state)
+        .map_err(|e| Error::file(&tmp, format!("cannot serialise state: {e}")))?;
+    fs::write(tmp.join("state.json"), json + "\n")
+        .map_err(|e| io(&tmp.join("state.json"), "cannot write", e))?;
+    sync_tree(&tmp)?;
+    if final_dir.exists() {
+        // A checkpoint of this step from an earlier attempt: replace it.
+        fs::remove_dir_all(&final_dir).map_err(|e| io(&final_dir, "cannot remove", e))?;
+    }
+    fs::rename(&tmp, &final_dir).map_err(|e| io(&final_dir, "cannot rename into place", e))?;
+    sync_dir(&root)?;
+    // Older checkpoints beyond KEEP, and temporary directories left by killed runs.
+    let mut steps = list(&root)?;
+    steps.sort();
+    if steps.len() > KEEP {
+        for (_, dir) in &steps[..steps.len() - KEEP] {
+            let _ = fs::remove_dir_all(dir);
+        }
+    }
+    if let Ok(entries) = fs::read_dir(&root) {
+        for e in entries.flatten() {
+            let n = e.file_name();
+            if n.to_string_lossy().starts_with(".tmp-") {
+                let _ = fs::remove_dir_all(e.path());
+            }
+        }
+    }
+    Ok(final_dir)
+}
+
+fn list(root: &Path) -> Result<Vec<(i64, PathBuf)>> {
+    let mut out = Vec::new();
+    if !root.exists() {
+        return Ok(out);
+    }
+    for e in fs::read_dir(root).map_err(|e| io(root, "cannot list", e))? {
+        let e = e.map_err(|e| io(root, "cannot list", e))?;
+        let name = e.file_name().to_string_lossy().to_string();
+        if let Some(n) = name
+            .strip_prefix("step-")
+            .and_then(|s| s.parse::<i64>().ok())
+        {
+            out.push((n, e.path()));
+        }
+    }
+    Ok(out)
+}
+
+/// The newest checkpoint of a run directory.
+pub fn latest(run_dir: &Path) -> Result<Option<(i64, PathBuf)>> {
+    let mut steps = list(&run_dir.join("checkpoints"))?;
+    steps.sort();
+    Ok(steps.pop())
+}
+
+pub fn read_state(dir: &Path) -> Result<State> {
+    let path = dir.join("state.json");
+    let text = fs::read_to_string(&path).map_err(|e| io(&path, "cannot read", e))?;
+    serde_json::from_str(&text)
+        .map_err(|e| Error::file(&path, format!("not a checkpoint state: {e}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn metrics_are_cut_at_the_checkpoint_and_torn_lines_dropped() {
+        let dir = std::env::temp_dir().join(format!("braid-ck-{}", std::process::id()));
+        fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("metrics.jsonl");
+        fs::write(&p, "{\"step\":1}\n{\"step\":2}\n{\"step\":3}\n{\"ste").unwrap();
+        truncate_metrics(&p, 2).unwrap();
+        assert_eq!(
+            fs::read_to_string(&p).unwrap(),
+            "{\"step\":1}\n{\"step\":2}\n"
+        );
+        write_atomic(&dir.join("x.txt"), b"hello").unwrap();
+        assert_eq!(fs::read_to_string(dir.join("x.txt")).unwrap(), "hello");
+        assert!(latest(&dir).unwrap().is_none());
+        let _ = fs::remove_dir_all(&dir);
+    }
+}
