@@ -11,6 +11,7 @@ mod fmt;
 #[cfg(feature = "runtime")]
 mod generate;
 mod lsp;
+mod plan;
 #[cfg(feature = "runtime")]
 mod run;
 mod sim;
@@ -42,6 +43,8 @@ enum Command {
     /// Train: execute a program's run, with checkpoints and metrics.
     #[cfg(feature = "runtime")]
     Run(run::Args),
+    /// Plan a program's run for a cluster: devices, layouts, fusion, predicted time and memory.
+    Plan(plan::Args),
     /// Simulate and schedule at cluster scale without GPUs.
     Sim(sim::Args),
 }
@@ -57,6 +60,7 @@ fn main() -> ExitCode {
         Command::Lsp(args) => lsp::run(args),
         #[cfg(feature = "runtime")]
         Command::Run(args) => run::run(args),
+        Command::Plan(args) => plan::run(args),
         Command::Sim(args) => sim::run(args),
     }
 }

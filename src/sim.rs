@@ -1,23 +1,46 @@
 //! `braid sim`: simulation and scheduling studies on the planner's models, without GPUs.
 //!
+//! `braid sim FILE.rlhf --cluster SPEC` plans the program's run (as `braid plan` does) and
+//! simulates N iterations of it next to the baselines — every stage in sequence on all devices
+//! with one layout per model (DeepSpeed-Chat style), the ReaL-style heuristic (a layout per
+//! call), Braid's plan without fusion and with it — printing iteration, generation plus
+//! inference and training times, utilisation, bubbles, the fusion gains and each pass's gain,
+//! and writing Braid's timeline as Chrome-trace JSON or SVG.
+//!
 //! `braid sim pipeline SPEC.json` solves a fused-pipeline problem (RLHFuse's intra-stage
 //! fusion) and prints the result as pretty JSON. The command reads files and prints; the work is
 //! done in `braid-passes`, which does neither. Bad input is reported as
-//! `error: <file>: <what is wrong>` with exit status 1, never a panic.
-//!
-//! The subcommand layout leaves room for the program form, `braid sim FILE.rlhf --cluster
-//! SPEC`: it will become optional positional arguments on [`Args`] next to an optional
-//! subcommand, with clap's `args_conflicts_with_subcommands`, so `pipeline` keeps working.
+//! `error: <file>: <what is wrong>` with a non-zero exit status, never a panic.
 
+use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use braid_passes::fused_pipeline::{PipelineProblem, solve};
+use braid_passes::sim::{SimOptions, to_chrome_trace, to_svg};
+use braid_passes::to_sim::{Comparison, compare};
 
 #[derive(clap::Args)]
+#[command(args_conflicts_with_subcommands = true)]
 pub struct Args {
     #[command(subcommand)]
-    command: SimCommand,
+    command: Option<SimCommand>,
+    /// The `.rlhf` program whose run to plan and simulate.
+    file: Option<PathBuf>,
+    #[command(flatten)]
+    inputs: crate::plan::PlanInputs,
+    /// Iterations to simulate.
+    #[arg(long, default_value_t = 3)]
+    iterations: u32,
+    /// Write Braid's timeline as Chrome-trace JSON (opens in Perfetto).
+    #[arg(long, value_name = "FILE.json")]
+    trace: Option<PathBuf>,
+    /// Write Braid's timeline as SVG.
+    #[arg(long, value_name = "FILE.svg")]
+    svg: Option<PathBuf>,
+    /// Print the comparison as JSON.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(clap::Subcommand)]
@@ -38,9 +61,130 @@ struct PipelineArgs {
 }
 
 pub fn run(args: Args) -> ExitCode {
-    match args.command {
-        SimCommand::Pipeline(a) => run_pipeline(&a),
+    match (&args.command, &args.file) {
+        (Some(SimCommand::Pipeline(a)), _) => run_pipeline(a),
+        (None, Some(file)) => run_program(file, &args),
+        (None, None) => {
+            eprintln!(
+                "error: give a program (`braid sim FILE.rlhf`) or `braid sim pipeline SPEC.json`"
+            );
+            ExitCode::from(2)
+        }
     }
+}
+
+fn run_program(file: &Path, args: &Args) -> ExitCode {
+    let prepared = match crate::plan::prepare(file, &args.inputs) {
+        Ok(p) => p,
+        Err(code) => return code,
+    };
+    // Refuse plans that do not fit before simulating them.
+    let mut probe = crate::plan::Prepared {
+        annotated: prepared.annotated.clone(),
+        spans: prepared.spans.clone(),
+        sources: prepared.sources.clone(),
+    };
+    if let Err(code) = crate::plan::plan(&mut probe, &args.inputs.disable_pass, |_, _| {}) {
+        return code;
+    }
+    let opts = SimOptions {
+        iterations: args.iterations.max(1),
+        seed: prepared.annotated.seed,
+    };
+    let (cmp, planned, report) =
+        match compare(&prepared.annotated, &args.inputs.disable_pass, &opts) {
+            Ok(x) => x,
+            Err(e) => return fail(file, e),
+        };
+    let devices = planned.cluster.devices() as usize;
+    if let Some(path) = &args.trace
+        && let Err(e) = std::fs::write(path, to_chrome_trace(&report, devices))
+    {
+        return fail(path, e);
+    }
+    if let Some(path) = &args.svg
+        && let Err(e) = std::fs::write(path, to_svg(&report, devices))
+    {
+        return fail(path, e);
+    }
+    if args.json {
+        match serde_json::to_string_pretty(&cmp) {
+            Ok(j) => println!("{j}"),
+            Err(e) => return fail(file, e),
+        }
+    } else {
+        print!(
+            "{}",
+            comparison_text(&planned, &cmp, &report, opts.iterations)
+        );
+    }
+    ExitCode::SUCCESS
+}
+
+fn comparison_text(
+    a: &braid_passes::annotated::Annotated,
+    cmp: &Comparison,
+    report: &braid_passes::sim::SimReport,
+    iterations: u32,
+) -> String {
+    let mut o = String::new();
+    let _ = writeln!(
+        o,
+        "simulated `{}` on {} for {iterations} iterations; generated lengths {}",
+        a.plan.pipeline,
+        a.cluster,
+        serde_json::to_string(&a.workload.lengths).unwrap_or_default()
+    );
+    let _ = writeln!(
+        o,
+        "\n{:<52} {:>12} {:>14} {:>12} {:>8} {:>8}",
+        "system", "iteration", "gen+inference", "training", "util", "bubble"
+    );
+    for s in &cmp.systems {
+        let _ = writeln!(
+            o,
+            "{:<52} {:>10.3} s {:>12.3} s {:>10.3} s {:>7.1}% {:>7.1}%",
+            s.system,
+            s.mean_iteration_seconds,
+            s.generation_inference_seconds,
+            s.training_seconds,
+            100.0 * s.mean_utilisation,
+            100.0 * s.bubble_fraction
+        );
+    }
+    let g = &cmp.fusion_gain;
+    let _ = writeln!(
+        o,
+        "\nfusion gain (braid over braid without fusion): generation+inference {:.2}x, training {:.2}x, end to end {:.2}x",
+        g.generation_inference, g.training, g.end_to_end
+    );
+    if let Some((h, s)) = cmp.searched_vs_heuristic {
+        let _ = writeln!(
+            o,
+            "placement (cost model): searched {s:.3} s vs heuristic {h:.3} s per iteration"
+        );
+    }
+    let gains: Vec<String> = cmp
+        .pass_gains
+        .iter()
+        .map(|(n, r)| format!("{n} {r:.2}x"))
+        .collect();
+    let _ = writeln!(
+        o,
+        "gain of each pass (iteration time without it / with all): {}",
+        gains.join(", ")
+    );
+    let stages: Vec<String> = report
+        .stages
+        .iter()
+        .map(|s| format!("{} {:.3} s", s.stage, s.mean_time))
+        .collect();
+    let _ = writeln!(
+        o,
+        "braid stages (mean span per iteration): {}",
+        stages.join(", ")
+    );
+    o
 }
 
 fn fail(path: &Path, what: impl std::fmt::Display) -> ExitCode {

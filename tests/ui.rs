@@ -57,7 +57,11 @@ fn check_fixture(path: &Path) -> (Expectations, Expectations, String) {
     let root = checked.program.root;
     let mut actual = BTreeSet::new();
     let mut rendered = String::new();
-    for d in &checked.diagnostics {
+    let mut diagnostics = checked.diagnostics.clone();
+    if !checked.has_errors() && checked.program.run.is_some() {
+        diagnostics.extend(plan_diagnostics(&checked.program));
+    }
+    for d in &diagnostics {
         let span = d.span();
         assert!(!span.is_dummy(), "{name}: {} has no span", d.code);
         assert!(d.help.is_some(), "{name}: {} has no help line", d.code);
@@ -78,6 +82,48 @@ fn check_fixture(path: &Path) -> (Expectations, Expectations, String) {
         rendered.push('\n');
     }
     (expectations(&text), actual, rendered)
+}
+
+/// The planner's diagnostics (`E05xx` that need the cost model) for a clean program: its run
+/// planned on its `cluster` block (default `cpu`), models of `hf(...)` taken from the presets
+/// named by their directories.
+fn plan_diagnostics(program: &braid_sema::hir::Program) -> Vec<braid_diagnostics::Diagnostic> {
+    use braid_passes::annotated::{Annotated, Pins, default_workload, shapes_from_plan};
+    use braid_passes::cluster::ClusterSpec;
+    use braid_passes::cost::{DeviceKind, ModelShape};
+    use braid_passes::render::{PlanSpans, memory_diagnostics};
+    let Ok(plan) = braid_sema::lower_graph::lower_run(program) else {
+        return Vec::new();
+    };
+    let cluster = match &program.cluster {
+        Some(braid_sema::hir::Cluster::Gpus { gpus, gpu, nodes }) => ClusterSpec {
+            nodes: *nodes as u64,
+            per_node: (*gpus / *nodes) as u64,
+            device: DeviceKind::parse(gpu).unwrap(),
+        },
+        _ => ClusterSpec::parse("cpu").unwrap(),
+    };
+    let Ok(shapes) = shapes_from_plan(&plan, &mut |d| {
+        ModelShape::preset_for_path(d).ok_or_else(|| d.to_string())
+    }) else {
+        return Vec::new();
+    };
+    let workload = default_workload(&plan);
+    let cost = cluster.cost_model();
+    let mut a = Annotated::new(plan, cluster, cost, shapes, workload, Pins::default());
+    braid_passes::passes::PassManager::new()
+        .run(&mut a, |_, _| {})
+        .unwrap();
+    let spans = PlanSpans {
+        run: program.run.as_ref().unwrap().span,
+        models: program
+            .models
+            .iter()
+            .filter(|m| m.file == program.root)
+            .map(|m| (m.name.clone(), m.name_span))
+            .collect(),
+    };
+    memory_diagnostics(&a, &spans)
 }
 
 #[test]

@@ -103,6 +103,7 @@ codes! {
     E0501 => "pin-matches-nothing", Error, "a schedule pin names no model call of the run";
     E0502 => "ambiguous-pin", Error, "a schedule pin matches more than one model call";
     E0503 => "invalid-device-range", Error, "a `place` pin names devices the cluster does not have";
+    E0504 => "plan-exceeds-memory", Error, "a model call does not fit its devices' memory";
     // Warnings.
     W0001 => "unused-let", Warning, "a `let` binding is never used";
     W0002 => "unused-model", Warning, "a declared model is never used by the run";

@@ -261,6 +261,28 @@ pub enum Op {
         epochs: i64,
         minibatches: i64,
     },
+    /// Inserted by the planner (`reshard-insert`), never by lowering: move `model`'s
+    /// parameters from the layout of call `after` to that of call `before` (`bytes` in all).
+    /// No data inputs; `after` and `before` are calls on `model`.
+    Reshard {
+        model: u32,
+        after: NodeId,
+        before: NodeId,
+        bytes: u64,
+    },
+    /// Inserted by the planner: copy a frozen model's weights to host memory after call
+    /// `after`, freeing its devices for other models.
+    Offload {
+        model: u32,
+        after: NodeId,
+        bytes: u64,
+    },
+    /// Inserted by the planner: bring an offloaded model's weights back before call `before`.
+    Reload {
+        model: u32,
+        before: NodeId,
+        bytes: u64,
+    },
 }
 
 impl Op {
@@ -277,6 +299,9 @@ impl Op {
             Op::Loss { kind, .. } => kind.as_str(),
             Op::LossSum { .. } => "loss_sum",
             Op::Train { .. } => "train",
+            Op::Reshard { .. } => "reshard",
+            Op::Offload { .. } => "offload",
+            Op::Reload { .. } => "reload",
         }
     }
 
@@ -585,6 +610,36 @@ impl TaskGraph {
                         return bad(id, "train takes a rollout and a loss".into());
                     }
                 }
+                Op::Reshard {
+                    model,
+                    after,
+                    before,
+                    ..
+                } => {
+                    if !tys.is_empty() {
+                        return bad(id, "reshard takes no data inputs".into());
+                    }
+                    for call in [after, before] {
+                        if self.node(*call).and_then(|n| n.op.model()) != Some(*model) {
+                            return bad(id, format!("{call} is not a call on model {model}"));
+                        }
+                    }
+                }
+                Op::Offload {
+                    model, after: call, ..
+                }
+                | Op::Reload {
+                    model,
+                    before: call,
+                    ..
+                } => {
+                    if !tys.is_empty() {
+                        return bad(id, format!("{} takes no data inputs", node.op.name()));
+                    }
+                    if self.node(*call).and_then(|n| n.op.model()) != Some(*model) {
+                        return bad(id, format!("{call} is not a call on model {model}"));
+                    }
+                }
             }
         }
         for (a, b, e) in self.edges() {
@@ -639,6 +694,30 @@ impl TaskGraph {
                     minibatches,
                 } => format!(
                     "{} epochs={epochs} minibatches={minibatches}",
+                    name(model_names, *model)
+                ),
+                Op::Reshard {
+                    model,
+                    after,
+                    before,
+                    bytes,
+                } => format!(
+                    "{} after {after} before {before} bytes={bytes}",
+                    name(model_names, *model)
+                ),
+                Op::Offload {
+                    model,
+                    after,
+                    bytes,
+                } => {
+                    format!("{} after {after} bytes={bytes}", name(model_names, *model))
+                }
+                Op::Reload {
+                    model,
+                    before,
+                    bytes,
+                } => format!(
+                    "{} before {before} bytes={bytes}",
                     name(model_names, *model)
                 ),
             };

@@ -120,6 +120,36 @@ impl ModelShape {
         })
     }
 
+    /// The preset a model directory's name refers to (`checkpoints/Llama-13B` →
+    /// `llama-13b`, `qwen2.5-0.5b-instruct` → `qwen2.5-0.5b`), for planning without the files:
+    /// the last path component, lower-cased, without a `-instruct`, `-chat` or `-hf` suffix.
+    pub fn preset_for_path(dir: &str) -> Option<ModelShape> {
+        let last = dir
+            .trim_end_matches('/')
+            .rsplit('/')
+            .next()
+            .unwrap_or(dir)
+            .to_ascii_lowercase();
+        let mut name = last.as_str();
+        for suffix in ["-instruct", "-chat", "-hf"] {
+            name = name.strip_suffix(suffix).unwrap_or(name);
+        }
+        if name == "qwen2.5-0.5b" {
+            return Some(ModelShape {
+                name: "qwen2.5-0.5b".into(),
+                layers: 24,
+                hidden: 896,
+                heads: 14,
+                kv_heads: 2,
+                intermediate: 4864,
+                vocab: 151_936,
+                tied_embeddings: true,
+                declared_params: None,
+            });
+        }
+        ModelShape::preset(name)
+    }
+
     /// Names accepted by [`ModelShape::preset`].
     pub const PRESETS: [&'static str; 4] = ["llama-7b", "llama-13b", "llama-33b", "llama-65b"];
 

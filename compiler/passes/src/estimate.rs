@@ -1,0 +1,679 @@
+//! Estimates of what a placed plan costs, for the passes' decisions: per-call sizes, times and
+//! memory from the cost model, the layouts a call can use on a number of devices, the
+//! ReaL-style heuristic placement, parameter-reallocation volumes, and a list schedule of the
+//! whole iteration ([`iteration_time`]) — the objective of `place`'s search.
+//!
+//! These are closed formulas and a cheap list schedule, not the discrete-event simulator
+//! (`sim/`), which the CLI and `sample-split` use where streaming and the long tail matter.
+//! Nothing here decides; it prices what it is given.
+
+use std::collections::BTreeMap;
+
+use braid_ir::graph::{NodeId, Op};
+
+use crate::annotated::{Annotated, Placement};
+use crate::cost::{Layout, MemoryNeeds, MemoryUse, ModelShape};
+use crate::fused_pipeline::{PipelineModel, PipelineProblem, SearchOptions, lower_bound};
+use crate::prng::Rng;
+
+/// How much work one model call does.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CallSize {
+    /// Sequences in the call's rollout (prompts × samples per prompt).
+    pub samples: u64,
+    pub prompt_len: u64,
+    /// The generation limit of the rollout.
+    pub max_new: u64,
+    /// Generated lengths drawn from the workload (seeded), one per sample.
+    pub lengths: Vec<u64>,
+    /// Sequence length for memory (prompt + limit) and the mean for time.
+    pub max_seq: u64,
+    pub mean_seq: u64,
+    /// `(epochs, minibatches)` of a `train`.
+    pub train: Option<(u64, u64)>,
+    /// Sequences per forward pass pinned by `micro_batch`.
+    pub micro_batch: Option<u64>,
+}
+
+/// The size of call `id`, or `None` for a node that is not a model call.
+pub fn call_size(a: &Annotated, id: NodeId) -> Option<CallSize> {
+    let g = &a.plan.graph;
+    let node = g.node(id)?;
+    if !node.op.is_model_call() {
+        return None;
+    }
+    let gen_id = g.rollout_of(id)?;
+    let Op::Generate { params, .. } = &g.node(gen_id)?.op else {
+        return None;
+    };
+    let prompts = g
+        .inputs(gen_id)
+        .first()
+        .and_then(|p| match g.node(*p).map(|n| &n.op) {
+            Some(Op::Next { count, .. }) => Some(*count),
+            _ => None,
+        })
+        .unwrap_or(1)
+        .max(1) as u64;
+    let samples = prompts * params.n.max(1) as u64;
+    let max_new = params.max_new_tokens.max(1) as u64;
+    let lengths = sample_lengths(a, gen_id, samples, max_new);
+    let mean = lengths.iter().sum::<u64>() as f64 / lengths.len().max(1) as f64;
+    let prompt_len = a.workload.prompt_len.max(1);
+    let train = match node.op {
+        Op::Train {
+            epochs,
+            minibatches,
+            ..
+        } => Some((epochs.max(1) as u64, minibatches.max(1) as u64)),
+        _ => None,
+    };
+    Some(CallSize {
+        samples,
+        prompt_len,
+        max_new,
+        lengths,
+        max_seq: prompt_len + max_new,
+        mean_seq: prompt_len + mean.round() as u64,
+        train,
+        micro_batch: node.micro_batch.map(|m| m.max(1) as u64),
+    })
+}
+
+/// The generated lengths of one iteration of `generate` node `gen_id`, seeded by the plan and
+/// the node, clipped to the limit.
+pub fn sample_lengths(a: &Annotated, gen_id: NodeId, samples: u64, max_new: u64) -> Vec<u64> {
+    let mut rng = Rng::new(a.seed ^ (u64::from(gen_id.0) << 32));
+    (0..samples)
+        .map(|_| a.workload.lengths.sample(&mut rng).clamp(1, max_new))
+        .collect()
+}
+
+/// Decode time of one engine instance holding `lengths` (lock-step: the live batch shrinks as
+/// samples finish), after a prefill of all its prompts.
+pub fn instance_generate_time(
+    a: &Annotated,
+    shape: &ModelShape,
+    layout: Layout,
+    lengths: &[u64],
+    prompt_len: u64,
+) -> f64 {
+    if lengths.is_empty() {
+        return 0.0;
+    }
+    let mut sorted = lengths.to_vec();
+    sorted.sort_unstable();
+    let b = sorted.len() as u64;
+    let mut t = a.cost.prefill_time(shape, layout, b, prompt_len);
+    let mut prev = 0u64;
+    for (k, &len) in sorted.iter().enumerate() {
+        if len > prev {
+            let live = b - k as u64;
+            let mid = prompt_len + (prev + len) / 2;
+            t += (len - prev) as f64 * a.cost.decode_step_time(shape, layout, live, mid);
+            prev = len;
+        }
+    }
+    t
+}
+
+/// Generation time on a placement: samples dealt round-robin over `dp` instances, each
+/// tensor- (and pipeline-) parallel inside; the slowest instance decides.
+pub fn generate_time(a: &Annotated, shape: &ModelShape, p: &Placement, size: &CallSize) -> f64 {
+    let inst = Layout {
+        dp: 1,
+        tp: p.tp,
+        pp: p.pp,
+    };
+    let dp = p.dp.max(1) as usize;
+    let mut worst = 0.0f64;
+    for i in 0..dp {
+        let mine: Vec<u64> = size.lengths.iter().skip(i).step_by(dp).copied().collect();
+        worst = worst.max(instance_generate_time(
+            a,
+            shape,
+            inst,
+            &mine,
+            size.prompt_len,
+        ));
+    }
+    worst
+}
+
+/// Sequences each data-parallel replica handles, and per micro-batch.
+fn per_replica(samples: u64, p: &Placement) -> (u64, u64) {
+    let per = samples.div_ceil(p.dp.max(1));
+    (per, per.div_ceil(p.microbatches.max(1)).max(1))
+}
+
+/// Time of one call on a placement, in seconds.
+pub fn call_time(a: &Annotated, id: NodeId, p: &Placement) -> f64 {
+    let (Some(node), Some(size)) = (a.plan.graph.node(id), call_size(a, id)) else {
+        return 0.0;
+    };
+    let Some(shape) = node.op.model().and_then(|m| a.shape(m)) else {
+        return 0.0;
+    };
+    match node.op {
+        Op::Generate { .. } => generate_time(a, shape, p, &size),
+        Op::Train { .. } => {
+            let (epochs, mbs) = size.train.unwrap_or((1, 1));
+            let global = size.samples.div_ceil(mbs).max(1);
+            let step = a.cost.train_step_time(
+                shape,
+                p.layout(),
+                global,
+                size.mean_seq,
+                p.microbatches.max(1),
+            );
+            step.total * (epochs * mbs) as f64
+        }
+        _ => {
+            let (_, chunk) = per_replica(size.samples, p);
+            let stage = a.cost.forward_time(shape, p.layout(), chunk, size.mean_seq) / p.pp as f64;
+            (p.microbatches.max(1) + p.pp - 1) as f64 * stage
+        }
+    }
+}
+
+/// Memory one device of the call's mesh needs.
+pub fn call_memory(a: &Annotated, id: NodeId, p: &Placement) -> Option<MemoryNeeds> {
+    let node = a.plan.graph.node(id)?;
+    let size = call_size(a, id)?;
+    let shape = a.shape(node.op.model()?)?;
+    let use_ = match node.op {
+        Op::Generate { .. } => MemoryUse {
+            kv_batch: size.samples.div_ceil(p.dp.max(1)),
+            kv_context: size.max_seq,
+            ..MemoryUse::default()
+        },
+        Op::Train { .. } => {
+            let (_, mbs) = size.train.unwrap_or((1, 1));
+            let global = size.samples.div_ceil(mbs).max(1);
+            MemoryUse {
+                train: true,
+                shard_optimizer: true,
+                microbatch_seqs: global.div_ceil(p.dp * p.microbatches.max(1)).max(1),
+                seq_len: size.max_seq,
+                microbatches: p.microbatches.max(1),
+                ..MemoryUse::default()
+            }
+        }
+        _ => MemoryUse::default(),
+    };
+    Some(a.cost.memory(shape, p.layout(), &use_))
+}
+
+/// Whether a placement fits its devices' memory.
+pub fn fits(a: &Annotated, id: NodeId, p: &Placement) -> bool {
+    call_memory(a, id, p).is_some_and(|m| m.fits(&a.cost.device).is_ok())
+}
+
+/// Every layout of call `id` on `count` devices starting at 0 (tensor-parallel degrees are
+/// powers of two inside a node that divide the heads; pipeline degrees divide the layers;
+/// generation runs without pipeline stages), with its micro-batch choices. Not filtered by
+/// memory. Deterministic order.
+pub fn layout_options(a: &Annotated, id: NodeId, count: u64) -> Vec<Placement> {
+    let (Some(node), Some(size)) = (a.plan.graph.node(id), call_size(a, id)) else {
+        return Vec::new();
+    };
+    let Some(shape) = node.op.model().and_then(|m| a.shape(m)) else {
+        return Vec::new();
+    };
+    let is_gen = matches!(node.op, Op::Generate { .. });
+    let per_node = a.cluster.per_node.max(1);
+    let mut out = Vec::new();
+    let mut tp = 1u64;
+    while tp <= per_node.min(count) {
+        if shape.heads.is_multiple_of(tp) && count.is_multiple_of(tp) {
+            for pp in 1..=shape.layers.min(count / tp) {
+                if (is_gen && pp > 1)
+                    || !shape.layers.is_multiple_of(pp)
+                    || !count.is_multiple_of(tp * pp)
+                {
+                    continue;
+                }
+                let dp = count / (tp * pp);
+                let base = Placement {
+                    first: 0,
+                    count,
+                    dp,
+                    tp,
+                    pp,
+                    microbatches: 1,
+                };
+                for m in microbatch_options(&base, &size, is_gen) {
+                    out.push(Placement {
+                        microbatches: m,
+                        ..base
+                    });
+                }
+            }
+        }
+        tp *= 2;
+    }
+    out
+}
+
+fn microbatch_options(p: &Placement, size: &CallSize, is_gen: bool) -> Vec<u64> {
+    if is_gen {
+        return vec![1];
+    }
+    let seqs = match size.train {
+        Some((_, mbs)) => size.samples.div_ceil(mbs).div_ceil(p.dp).max(1),
+        None => size.samples.div_ceil(p.dp).max(1),
+    };
+    if let Some(mb) = size.micro_batch {
+        return vec![seqs.div_ceil(mb).max(1)];
+    }
+    let mut v = Vec::new();
+    let mut m = 1u64;
+    while m <= seqs.min(128) {
+        v.push(m);
+        m *= 2;
+    }
+    if v.is_empty() {
+        v.push(1);
+    }
+    v
+}
+
+/// The fitting layouts of call `id` on `count` devices, fastest first (ties in
+/// [`layout_options`] order).
+pub fn fitting_options(a: &Annotated, id: NodeId, count: u64) -> Vec<(f64, Placement)> {
+    let mut v: Vec<(f64, Placement)> = layout_options(a, id, count)
+        .into_iter()
+        .filter(|p| fits(a, id, p))
+        .map(|p| (call_time(a, id, &p), p))
+        .collect();
+    v.sort_by(|x, y| x.0.total_cmp(&y.0));
+    v
+}
+
+/// The layout needing the least memory per device on `count` devices (for reporting a plan
+/// that cannot fit).
+pub fn smallest_option(a: &Annotated, id: NodeId, count: u64) -> Option<Placement> {
+    layout_options(a, id, count)
+        .into_iter()
+        .min_by_key(|p| call_memory(a, id, p).map_or(u64::MAX, |m| m.total()))
+}
+
+/// The ReaL-style heuristic: every call on all devices with the fastest layout that fits (or,
+/// when none fits, the one needing least memory, so that the overflow can be reported).
+pub fn heuristic_placement(a: &Annotated, id: NodeId) -> Option<Placement> {
+    let n = a.cluster.devices();
+    fitting_options(a, id, n)
+        .first()
+        .map(|x| x.1)
+        .or_else(|| smallest_option(a, id, n))
+}
+
+/// DeepSpeed-Chat style: one layout per model on all devices — the one its most expensive call
+/// (a `train` if it has one) prefers — used by all its calls.
+pub fn per_model_placements(a: &Annotated) -> BTreeMap<NodeId, Placement> {
+    let mut by_model: BTreeMap<u32, Vec<NodeId>> = BTreeMap::new();
+    for id in a.calls() {
+        if let Some(m) = a.plan.graph.node(id).and_then(|n| n.op.model()) {
+            by_model.entry(m).or_default().push(id);
+        }
+    }
+    let mut out = BTreeMap::new();
+    for ids in by_model.values() {
+        let lead = ids
+            .iter()
+            .copied()
+            .find(|i| matches!(a.plan.graph.node(*i).map(|n| &n.op), Some(Op::Train { .. })))
+            .unwrap_or(ids[0]);
+        let Some(p) = heuristic_placement(a, lead) else {
+            continue;
+        };
+        for &i in ids {
+            // Same devices and degrees; micro-batches as the call prefers.
+            let mine = layout_options(a, i, p.count)
+                .into_iter()
+                .filter(|q| q.same_layout(&p))
+                .min_by(|x, y| call_time(a, i, x).total_cmp(&call_time(a, i, y)))
+                .unwrap_or(p);
+            out.insert(i, mine);
+        }
+    }
+    out
+}
+
+/// The placement of every call: the decided one, else the heuristic.
+pub fn placements(a: &Annotated) -> BTreeMap<NodeId, Placement> {
+    let mut out = BTreeMap::new();
+    for id in a.calls() {
+        let p = a
+            .decisions
+            .placements
+            .get(&id)
+            .copied()
+            .or_else(|| heuristic_placement(a, id));
+        if let Some(p) = p {
+            out.insert(id, p);
+        }
+    }
+    out
+}
+
+/// The model calls each node waits for, through compute nodes.
+pub fn call_deps(a: &Annotated) -> BTreeMap<NodeId, Vec<NodeId>> {
+    let g = &a.plan.graph;
+    let mut anc: BTreeMap<NodeId, Vec<NodeId>> = BTreeMap::new();
+    let mut out = BTreeMap::new();
+    for id in g.topo_order().unwrap_or_else(|| g.node_ids()) {
+        let mut mine: Vec<NodeId> = Vec::new();
+        for i in g.inputs(id) {
+            if g.node(i).is_some_and(|n| n.op.is_model_call()) {
+                mine.push(i);
+            } else if let Some(v) = anc.get(&i) {
+                mine.extend(v.iter().copied());
+            }
+        }
+        mine.sort();
+        mine.dedup();
+        if g.node(id).is_some_and(|n| n.op.is_model_call()) {
+            out.insert(id, mine.clone());
+        }
+        anc.insert(id, mine);
+    }
+    out
+}
+
+/// The share of the parameters device `d` holds under placement `p`: a rectangle of the unit
+/// square (layers along one side, the tensor-parallel split along the other).
+fn shard_rect(p: &Placement, d: u64) -> Option<(f64, f64, f64, f64)> {
+    if !p.devices().contains(&d) {
+        return None;
+    }
+    let r = d - p.first;
+    let t = r % p.tp;
+    let s = r / (p.tp * p.dp);
+    let (pp, tp) = (p.pp as f64, p.tp as f64);
+    Some((
+        s as f64 / pp,
+        (s + 1) as f64 / pp,
+        t as f64 / tp,
+        (t + 1) as f64 / tp,
+    ))
+}
+
+/// Parameter bytes that must move to go from placement `from` to `to`: for every device of
+/// `to`, the part of its shard it does not already hold. Returns (total, most any device
+/// receives).
+pub fn reshard_bytes(
+    shape: &ModelShape,
+    dtype_bytes: u64,
+    from: &Placement,
+    to: &Placement,
+) -> (u64, u64) {
+    let weights = (shape.params() * dtype_bytes) as f64;
+    let mut total = 0.0;
+    let mut most = 0.0f64;
+    for d in to.devices() {
+        let Some(want) = shard_rect(to, d) else {
+            continue;
+        };
+        let area = (want.1 - want.0) * (want.3 - want.2);
+        let have = shard_rect(from, d).map_or(0.0, |h| {
+            let x = (want.1.min(h.1) - want.0.max(h.0)).max(0.0);
+            let y = (want.3.min(h.3) - want.2.max(h.2)).max(0.0);
+            x * y
+        });
+        let need = (area - have).max(0.0) * weights;
+        total += need;
+        most = most.max(need);
+    }
+    (total.round() as u64, most.round() as u64)
+}
+
+/// Time to reshard: the busiest receiver's bytes over NVLink when both meshes sit in one node,
+/// over the network otherwise.
+pub fn reshard_seconds(a: &Annotated, most_bytes: u64, from: &Placement, to: &Placement) -> f64 {
+    if most_bytes == 0 {
+        return 0.0;
+    }
+    let per_node = a.cluster.per_node.max(1);
+    let lo = from.first.min(to.first);
+    let hi = (from.first + from.count).max(to.first + to.count);
+    let d = &a.cost.device;
+    let (bw, lat) = if lo / per_node == (hi - 1) / per_node {
+        (d.intra_node_bandwidth, d.intra_node_latency)
+    } else {
+        (d.inter_node_bandwidth, d.inter_node_latency)
+    };
+    most_bytes as f64 / (bw * d.network_efficiency) + lat
+}
+
+/// Two `train` calls that can run as one fused pipeline schedule (RLHFuse intra-stage fusion):
+/// the fused problem per data-parallel group and what it takes in seconds.
+#[derive(Clone, Debug)]
+pub struct FusedTrain {
+    pub forward: NodeId,
+    pub reverse: NodeId,
+    pub problem: PipelineProblem,
+    pub unit_seconds: f64,
+    /// Optimizer steps (each one fused pipeline).
+    pub steps: u64,
+    /// Per step: both models' gradient all-reduces and optimizer updates.
+    pub per_step_extra: f64,
+    /// Both trainings one after the other, in seconds.
+    pub serial_seconds: f64,
+}
+
+impl FusedTrain {
+    /// Seconds of the whole fused training with a pipeline latency of `latency` units.
+    pub fn seconds(&self, latency: u64) -> f64 {
+        self.steps as f64 * (latency as f64 * self.unit_seconds + self.per_step_extra)
+    }
+}
+
+/// The fused problem of trains `x` and `y`, when they share devices and tensor-parallel degree,
+/// at least one is pipelined, the smaller pipeline divides the larger, and they take the same
+/// number of optimizer steps.
+pub fn fused_train(
+    a: &Annotated,
+    x: NodeId,
+    px: &Placement,
+    y: NodeId,
+    py: &Placement,
+) -> Option<FusedTrain> {
+    if (px.first, px.count, px.tp) != (py.first, py.count, py.tp) || px.pp.max(py.pp) < 2 {
+        return None;
+    }
+    let (f, pf, r, pr) = if py.pp > px.pp {
+        (y, py, x, px)
+    } else {
+        (x, px, y, py)
+    };
+    if !pf.pp.is_multiple_of(pr.pp) {
+        return None;
+    }
+    let parts = |id: NodeId, p: &Placement| {
+        let node = a.plan.graph.node(id)?;
+        let shape = a.shape(node.op.model()?)?;
+        let size = call_size(a, id)?;
+        let (epochs, mbs) = size.train?;
+        let global = size.samples.div_ceil(mbs).max(1);
+        let t = a
+            .cost
+            .train_step_time(shape, p.layout(), global, size.mean_seq, p.microbatches);
+        let mem = call_memory(a, id, p)?;
+        let per_mb = mem.activations / p.pp.min(p.microbatches).max(1);
+        Some((epochs * mbs, t, per_mb))
+    };
+    let (steps_f, tf, mem_f) = parts(f, pf)?;
+    let (steps_r, tr, mem_r) = parts(r, pr)?;
+    if steps_f != steps_r {
+        return None;
+    }
+    let unit = tf.forward.min(tr.forward) / 5.0;
+    if unit <= 0.0 || !unit.is_finite() {
+        return None;
+    }
+    let ticks = |s: f64| ((s / unit).round() as u64).max(1);
+    let mb = |b: u64| (b / (1 << 20)).max(1);
+    let problem = PipelineProblem {
+        stages: pf.pp as usize,
+        models: vec![
+            PipelineModel {
+                name: Some(a.call_name(f)),
+                pp: pf.pp as usize,
+                microbatches: pf.microbatches as usize,
+                fwd: ticks(tf.forward),
+                bwd: ticks(tf.backward),
+                mem_per_microbatch: mb(mem_f),
+            },
+            PipelineModel {
+                name: Some(a.call_name(r)),
+                pp: pr.pp as usize,
+                microbatches: pr.microbatches as usize,
+                fwd: ticks(tr.forward),
+                bwd: ticks(tr.backward),
+                mem_per_microbatch: mb(mem_r),
+            },
+        ],
+        search: SearchOptions {
+            seed: a.seed,
+            improvement_rounds: 60,
+            latency_iterations: 6_000,
+            memory_rounds: 20,
+            memory_iterations: 2_000,
+        },
+    };
+    problem.validate().ok()?;
+    Some(FusedTrain {
+        forward: f,
+        reverse: r,
+        problem,
+        unit_seconds: unit,
+        steps: steps_f,
+        per_step_extra: tf.grad_allreduce + tf.optimizer + tr.grad_allreduce + tr.optimizer,
+        serial_seconds: steps_f as f64 * (tf.total + tr.total),
+    })
+}
+
+/// What [`iteration_time`] assumes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EstimateOptions {
+    /// Price two trainings that share devices as one fused pipeline at its lower bound.
+    pub fused_training: bool,
+}
+
+/// The iteration time of a placement by list scheduling: calls in topological order, each
+/// starting when the calls it reads are done and all its devices are free; a call on a model
+/// whose previous call used another layout first waits for the reshard; the parameters go back
+/// to the first call's layout for the next iteration.
+pub fn iteration_time(
+    a: &Annotated,
+    placements: &BTreeMap<NodeId, Placement>,
+    deps: &BTreeMap<NodeId, Vec<NodeId>>,
+    times: &mut dyn FnMut(NodeId, &Placement) -> f64,
+    opts: EstimateOptions,
+) -> f64 {
+    let n = a.cluster.devices() as usize;
+    let mut free = vec![0.0f64; n];
+    let mut end: BTreeMap<NodeId, f64> = BTreeMap::new();
+    let mut last_on_model: BTreeMap<u32, Placement> = BTreeMap::new();
+    let mut first_on_model: BTreeMap<u32, Placement> = BTreeMap::new();
+    let calls = a.calls();
+    let fused = if opts.fused_training {
+        fused_pairs(a, placements)
+    } else {
+        Vec::new()
+    };
+    let mut done_fused: BTreeMap<NodeId, f64> = BTreeMap::new();
+    for &id in &calls {
+        let (Some(p), Some(model)) = (
+            placements.get(&id),
+            a.plan.graph.node(id).and_then(|x| x.op.model()),
+        ) else {
+            continue;
+        };
+        if let Some(&e) = done_fused.get(&id) {
+            end.insert(id, e);
+            last_on_model.insert(model, *p);
+            continue;
+        }
+        let ready = |end: &BTreeMap<NodeId, f64>, id: NodeId| {
+            deps.get(&id).map_or(0.0, |v| {
+                v.iter()
+                    .map(|d| end.get(d).copied().unwrap_or(0.0))
+                    .fold(0.0, f64::max)
+            })
+        };
+        let mut start = ready(&end, id);
+        let devs = p.first as usize..(p.first + p.count) as usize;
+        for d in devs.clone() {
+            start = start.max(free.get(d).copied().unwrap_or(0.0));
+        }
+        let mut reshard = 0.0;
+        if let (Some(shape), Some(prev)) = (a.shape(model), last_on_model.get(&model))
+            && !prev.same_layout(p)
+        {
+            let (_, most) = reshard_bytes(shape, a.cost.dtype_bytes, prev, p);
+            reshard = reshard_seconds(a, most, prev, p);
+        }
+        let mut dur = times(id, p);
+        let mut partner = None;
+        if let Some((f, other, secs)) = fused.iter().find(|x| x.0 == id || x.1 == id) {
+            let o = if *f == id { *other } else { *f };
+            start = start.max(ready(&end, o));
+            dur = *secs;
+            partner = Some(o);
+        }
+        let e = start + reshard + dur;
+        for d in devs {
+            if let Some(f) = free.get_mut(d) {
+                *f = e;
+            }
+        }
+        end.insert(id, e);
+        first_on_model.entry(model).or_insert(*p);
+        last_on_model.insert(model, *p);
+        if let Some(o) = partner {
+            done_fused.insert(o, e);
+        }
+    }
+    let mut total = end.values().copied().fold(0.0, f64::max);
+    // Back to each model's first layout for the next iteration.
+    for (m, last) in &last_on_model {
+        if let (Some(first), Some(shape)) = (first_on_model.get(m), a.shape(*m))
+            && !first.same_layout(last)
+        {
+            let (_, most) = reshard_bytes(shape, a.cost.dtype_bytes, last, first);
+            total += reshard_seconds(a, most, last, first);
+        }
+    }
+    total
+}
+
+/// Pairs of trains that would run fused, with the fused time estimated at the lower bound.
+pub fn fused_pairs(
+    a: &Annotated,
+    placements: &BTreeMap<NodeId, Placement>,
+) -> Vec<(NodeId, NodeId, f64)> {
+    let trains: Vec<NodeId> = a
+        .calls()
+        .into_iter()
+        .filter(|i| matches!(a.plan.graph.node(*i).map(|n| &n.op), Some(Op::Train { .. })))
+        .collect();
+    let mut out = Vec::new();
+    let mut used = std::collections::BTreeSet::new();
+    for (i, &x) in trains.iter().enumerate() {
+        for &y in &trains[i + 1..] {
+            if used.contains(&x) || used.contains(&y) {
+                continue;
+            }
+            if let (Some(px), Some(py)) = (placements.get(&x), placements.get(&y))
+                && let Some(f) = fused_train(a, x, px, y, py)
+            {
+                out.push((x, y, f.seconds(lower_bound(&f.problem))));
+                used.insert(x);
+                used.insert(y);
+            }
+        }
+    }
+    out
+}

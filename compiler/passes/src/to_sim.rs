@@ -1,0 +1,441 @@
+//! From a placed plan to the simulator's DAG, and the comparison `braid sim` prints: the plan
+//! against the baselines (every stage on all devices with one layout per model, DeepSpeed-Chat
+//! style; the ReaL-style heuristic with a layout per call; Braid's plan without and with
+//! fusion).
+//!
+//! One simulator task per model call and per inserted transfer node; compute nodes (`fn`
+//! kernels, arithmetic, losses) are cheap next to model calls and are left out, their
+//! dependencies carried through. Like the rest of the crate this computes values only.
+
+use std::collections::BTreeMap;
+
+use braid_ir::graph::{NodeId, Op};
+use serde::Serialize;
+
+use crate::annotated::{Annotated, Cut, Placement};
+use crate::cost::Layout;
+use crate::estimate::{self, call_size};
+use crate::passes::{PassError, PassManager};
+use crate::sim::{
+    Dag, DagBuilder, GenerateSpec, LengthDist, Migration, SimOptions, SimReport, TaskId, Work,
+    simulate,
+};
+
+/// The length distribution with every length capped at `max`.
+pub fn clip_lengths(d: &LengthDist, max: u64) -> LengthDist {
+    match d {
+        LengthDist::Fixed { len } => LengthDist::Fixed {
+            len: (*len).clamp(1, max),
+        },
+        LengthDist::Uniform { lo, hi } => LengthDist::Uniform {
+            lo: (*lo).clamp(1, max),
+            hi: (*hi).clamp(1, max),
+        },
+        LengthDist::LogNormal { mu, sigma, max: m } => LengthDist::LogNormal {
+            mu: *mu,
+            sigma: *sigma,
+            max: (*m).min(max),
+        },
+        LengthDist::Empirical { lens, cumulative } => {
+            // Lengths past the limit are stopped by it.
+            LengthDist::Empirical {
+                lens: lens.iter().map(|l| (*l).clamp(1, max)).collect(),
+                cumulative: cumulative.clone(),
+            }
+        }
+    }
+}
+
+fn stage_of(op: &Op) -> &'static str {
+    match op {
+        Op::Generate { .. } => "generate",
+        Op::Train { .. } => "train",
+        Op::Reshard { .. } => "reshard",
+        Op::Offload { .. } | Op::Reload { .. } => "offload",
+        _ => "inference",
+    }
+}
+
+/// The simulator DAG of a plan. With `fusion`, consumers that `sample-split` cut per sample
+/// stream from their generation (on the devices it assigned them), generations migrate their
+/// long tail, and interleaved trainings run as one fused task.
+pub fn to_dag(a: &Annotated, fusion: bool) -> Result<(Dag, BTreeMap<NodeId, TaskId>), String> {
+    let g = &a.plan.graph;
+    let placements = estimate::placements(a);
+    let deps = estimate::call_deps(a);
+    let devices = a.cluster.devices() as usize;
+    let mut b = DagBuilder::new(devices);
+    let mut task_of: BTreeMap<NodeId, TaskId> = BTreeMap::new();
+    let order = g.topo_order().unwrap_or_else(|| g.node_ids());
+    let transfers: Vec<NodeId> = g
+        .node_ids()
+        .into_iter()
+        .filter(|i| {
+            g.node(*i).is_some_and(|n| {
+                matches!(
+                    n.op,
+                    Op::Reshard { .. } | Op::Offload { .. } | Op::Reload { .. }
+                )
+            })
+        })
+        .collect();
+    let pos: BTreeMap<NodeId, usize> = order.iter().enumerate().map(|(i, n)| (*n, i)).collect();
+    let range =
+        |p: &Placement| (p.first as usize..(p.first + p.count) as usize).collect::<Vec<_>>();
+    let fused: BTreeMap<NodeId, (NodeId, f64)> = if fusion {
+        a.decisions
+            .interleave
+            .iter()
+            .flat_map(|d| {
+                [
+                    (d.forward, (d.reverse, d.fused_seconds)),
+                    (d.reverse, (d.forward, d.fused_seconds)),
+                ]
+            })
+            .collect()
+    } else {
+        BTreeMap::new()
+    };
+    let mut pending_after: Vec<(NodeId, NodeId)> = Vec::new();
+    for &id in &order {
+        let Some(node) = g.node(id) else { continue };
+        if !node.op.is_model_call() {
+            continue;
+        }
+        // Transfers that must happen before this call (reshards from an earlier call, reloads).
+        let mut before_me = Vec::new();
+        for &t in &transfers {
+            let Some(tn) = g.node(t) else { continue };
+            let (after, before) = match tn.op {
+                Op::Reshard { after, before, .. } => (Some(after), Some(before)),
+                Op::Reload { before, .. } => (None, Some(before)),
+                Op::Offload { after, .. } => (Some(after), None),
+                _ => continue,
+            };
+            if before != Some(id) {
+                continue;
+            }
+            let backwards = after.is_some_and(|x| pos.get(&x) >= pos.get(&id));
+            if backwards {
+                // Back to the first layout for the next iteration: at the end.
+                if let Some(x) = after {
+                    pending_after.push((t, x));
+                }
+                continue;
+            }
+            let secs = a.decisions.transfers.get(&t).map_or(0.0, |d| d.seconds);
+            let Some(p) = placements.get(&id) else {
+                continue;
+            };
+            let task = b.task(
+                &format!("{t} {}", tn.op.name()),
+                stage_of(&tn.op),
+                range(p),
+                Work::Fixed { seconds: secs },
+            );
+            if let Some(x) = after.and_then(|x| task_of.get(&x)) {
+                b.after(task, *x);
+            }
+            task_of.insert(t, task);
+            before_me.push(task);
+        }
+        if let Some(&(partner, _)) = fused.get(&id)
+            && let Some(&t) = task_of.get(&partner)
+        {
+            task_of.insert(id, t);
+            continue;
+        }
+        let Some(p0) = placements.get(&id) else {
+            continue;
+        };
+        let size = call_size(a, id).ok_or_else(|| format!("{id}: no size"))?;
+        let shape = node
+            .op
+            .model()
+            .and_then(|m| a.shape(m))
+            .ok_or_else(|| format!("{id}: no model shape"))?;
+        let stream_from = match a.decisions.streams.get(&id) {
+            Some(s) if fusion && s.cut == Cut::Sample => Some(s.generate),
+            _ => None,
+        };
+        let p = match (stream_from, a.decisions.subtask_placements.get(&id)) {
+            (Some(_), Some(sub)) => *sub,
+            _ => *p0,
+        };
+        let name = a.call_name(id);
+        let work =
+            match &node.op {
+                Op::Generate { .. } => Work::Generate(Box::new(GenerateSpec {
+                    samples: size.samples,
+                    prompt_len: size.prompt_len,
+                    instances: p.dp.max(1),
+                    lengths: clip_lengths(&a.workload.lengths, size.max_new),
+                    model: shape.clone(),
+                    cost: a.cost.clone(),
+                    migration: a.decisions.migrations.get(&id).filter(|_| fusion).map(|m| {
+                        Migration {
+                            threshold: m.threshold,
+                            to_instances: m.to_instances.min(p.dp.max(1)),
+                        }
+                    }),
+                })),
+                Op::Train { .. } => {
+                    let secs = match fused.get(&id) {
+                        Some(&(_, s)) => s,
+                        None => estimate::call_time(a, id, &p),
+                    };
+                    Work::Fixed { seconds: secs }
+                }
+                _ => {
+                    let per = size.samples.div_ceil(p.dp.max(1));
+                    Work::inference(
+                        &a.cost,
+                        shape,
+                        Layout {
+                            dp: 1,
+                            tp: p.tp,
+                            pp: p.pp,
+                        },
+                        p.dp,
+                        size.samples,
+                        size.mean_seq,
+                        per.div_ceil(p.microbatches.max(1)),
+                    )
+                }
+            };
+        let mut devs = range(&p);
+        let mut my_deps: Vec<NodeId> = deps.get(&id).cloned().unwrap_or_default();
+        if let Some(&(partner, _)) = fused.get(&id) {
+            if let Some(pp) = placements.get(&partner) {
+                devs.extend(range(pp));
+            }
+            my_deps.extend(deps.get(&partner).cloned().unwrap_or_default());
+        }
+        devs.sort_unstable();
+        devs.dedup();
+        let label = if fused.contains_key(&id) {
+            let partner = fused.get(&id).map(|x| a.call_name(x.0)).unwrap_or_default();
+            format!("{name} + {partner} (fused)")
+        } else {
+            name
+        };
+        let task = b.task(&format!("{id} {label}"), stage_of(&node.op), devs, work);
+        for d in my_deps {
+            if Some(d) == stream_from {
+                continue;
+            }
+            if let Some(t) = task_of.get(&d) {
+                b.after(task, *t);
+            }
+        }
+        for t in before_me {
+            b.after(task, t);
+        }
+        if let Some(gen_id) = stream_from
+            && let Some(t) = task_of.get(&gen_id)
+        {
+            b.stream(task, *t);
+        }
+        task_of.insert(id, task);
+        // Offloads right after this call.
+        for &t in &transfers {
+            if let Some(Op::Offload { after, .. }) = g.node(t).map(|n| &n.op)
+                && *after == id
+            {
+                let secs = a.decisions.transfers.get(&t).map_or(0.0, |d| d.seconds);
+                let ot = b.task(
+                    &format!("{t} offload"),
+                    "offload",
+                    range(&p),
+                    Work::Fixed { seconds: secs },
+                );
+                b.after(ot, task);
+                task_of.insert(t, ot);
+            }
+        }
+    }
+    for (t, after) in pending_after {
+        let (Some(tn), Some(&at)) = (g.node(t), task_of.get(&after)) else {
+            continue;
+        };
+        let Op::Reshard { before, .. } = tn.op else {
+            continue;
+        };
+        let Some(p) = placements.get(&before) else {
+            continue;
+        };
+        let secs = a.decisions.transfers.get(&t).map_or(0.0, |d| d.seconds);
+        let task = b.task(
+            &format!("{t} reshard (next iteration)"),
+            "reshard",
+            range(p),
+            Work::Fixed { seconds: secs },
+        );
+        b.after(task, at);
+        task_of.insert(t, task);
+    }
+    let dag = b.build().map_err(|e| e.0)?;
+    Ok((dag, task_of))
+}
+
+/// One system's simulated iteration.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct SystemResult {
+    pub system: String,
+    pub mean_iteration_seconds: f64,
+    /// From the iteration's start to the end of the last generation or inference task.
+    pub generation_inference_seconds: f64,
+    /// From the first training task's start to the last one's end.
+    pub training_seconds: f64,
+    pub mean_utilisation: f64,
+    pub bubble_fraction: f64,
+}
+
+/// Summarises a report: mean over iterations of the generation-plus-inference and training
+/// spans.
+pub fn summarise(system: &str, r: &SimReport) -> SystemResult {
+    let n = r.iterations.len().max(1) as f64;
+    let mut gi = 0.0;
+    let mut tr = 0.0;
+    for it in &r.iterations {
+        let end = it
+            .stages
+            .iter()
+            .filter(|s| s.stage == "generate" || s.stage == "inference")
+            .map(|s| s.end)
+            .fold(it.start, f64::max);
+        gi += end - it.start;
+        tr += it
+            .stages
+            .iter()
+            .find(|s| s.stage == "train")
+            .map_or(0.0, |s| s.end - s.start);
+    }
+    let util = r.device_utilisation.iter().sum::<f64>() / r.device_utilisation.len().max(1) as f64;
+    SystemResult {
+        system: system.to_string(),
+        mean_iteration_seconds: r.mean_iteration_time,
+        generation_inference_seconds: gi / n,
+        training_seconds: tr / n,
+        mean_utilisation: util,
+        bubble_fraction: r.bubble_fraction,
+    }
+}
+
+/// Simulates a placed plan.
+pub fn simulate_plan(a: &Annotated, fusion: bool, opts: &SimOptions) -> Result<SimReport, String> {
+    let (dag, _) = to_dag(a, fusion)?;
+    simulate(&dag, opts).map_err(|e| e.0)
+}
+
+/// The comparison `braid sim` prints.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Comparison {
+    pub systems: Vec<SystemResult>,
+    /// Braid with fusion over Braid without: generation + inference, training, iteration.
+    pub fusion_gain: Gains,
+    /// Iteration time with each pass disabled over the full plan's.
+    pub pass_gains: Vec<(String, f64)>,
+    pub searched_vs_heuristic: Option<(f64, f64)>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Gains {
+    pub generation_inference: f64,
+    pub training: f64,
+    pub end_to_end: f64,
+}
+
+fn ratio(a: f64, b: f64) -> f64 {
+    if b > 0.0 { a / b } else { 1.0 }
+}
+
+/// Plans `base` four ways and simulates each: DeepSpeed-Chat style (one layout per model on
+/// all devices, stages in sequence), the ReaL-style heuristic (a layout per call on all
+/// devices, reshards between), Braid without fusion (`sample-split` and
+/// `microbatch-interleave` disabled) and Braid. Returns the comparison and Braid's plan and
+/// report (for traces).
+pub fn compare(
+    base: &Annotated,
+    disabled: &[String],
+    opts: &SimOptions,
+) -> Result<(Comparison, Annotated, SimReport), PassError> {
+    let sim_err = |e: String| PassError(format!("simulation: {e}"));
+    let plan_with = |extra: &[&str]| -> Result<Annotated, PassError> {
+        let mut names: Vec<String> = disabled.to_vec();
+        names.extend(extra.iter().map(|s| s.to_string()));
+        names.sort();
+        names.dedup();
+        let mut a = base.clone();
+        PassManager::new().disable(&names)?.run(&mut a, |_, _| {})?;
+        Ok(a)
+    };
+    let mut systems = Vec::new();
+    // DeepSpeed-Chat style.
+    let mut ds = base.clone();
+    ds.decisions.placements = estimate::per_model_placements(&ds);
+    let ds_report = simulate_plan(&ds, false, opts).map_err(sim_err)?;
+    systems.push(summarise(
+        "deepspeed-chat (sequential, one layout per model)",
+        &ds_report,
+    ));
+    // ReaL heuristic: per-call layouts on all devices, reshards inserted.
+    let real = plan_with(&[
+        "place",
+        "sample-split",
+        "microbatch-interleave",
+        "speculate",
+    ])?;
+    let real_report = simulate_plan(&real, false, opts).map_err(sim_err)?;
+    systems.push(summarise(
+        "real-heuristic (layout per call, sequential)",
+        &real_report,
+    ));
+    let nofuse = plan_with(&["sample-split", "microbatch-interleave"])?;
+    let nofuse_report = simulate_plan(&nofuse, false, opts).map_err(sim_err)?;
+    let nofuse_sum = summarise("braid without fusion", &nofuse_report);
+    systems.push(nofuse_sum.clone());
+    let full = plan_with(&[])?;
+    let full_report = simulate_plan(&full, true, opts).map_err(sim_err)?;
+    let full_sum = summarise("braid", &full_report);
+    systems.push(full_sum.clone());
+    let fusion_gain = Gains {
+        generation_inference: ratio(
+            nofuse_sum.generation_inference_seconds,
+            full_sum.generation_inference_seconds,
+        ),
+        training: ratio(nofuse_sum.training_seconds, full_sum.training_seconds),
+        end_to_end: ratio(
+            nofuse_sum.mean_iteration_seconds,
+            full_sum.mean_iteration_seconds,
+        ),
+    };
+    let mut pass_gains = Vec::new();
+    for name in crate::passes::pass_names() {
+        if disabled.iter().any(|d| d == name) {
+            continue;
+        }
+        let without = plan_with(&[name])?;
+        let fusion = name != "sample-split" || without.will_run("sample-split");
+        let r = simulate_plan(&without, fusion, opts).map_err(sim_err)?;
+        pass_gains.push((
+            name.to_string(),
+            ratio(r.mean_iteration_time, full_report.mean_iteration_time),
+        ));
+    }
+    let searched_vs_heuristic = full
+        .decisions
+        .search
+        .as_ref()
+        .map(|s| (s.heuristic_seconds, s.searched_seconds));
+    Ok((
+        Comparison {
+            systems,
+            fusion_gain,
+            pass_gains,
+            searched_vs_heuristic,
+        },
+        full,
+        full_report,
+    ))
+}

@@ -1,0 +1,194 @@
+//! Each planner pass run alone on lowered example and stdlib plans, its decisions snapshotted
+//! (the rendered plan: calls, fusion decisions, transfers, and the graph after the pass); the
+//! full pipeline with the verifier between passes; determinism; searched placement never worse
+//! than the heuristic; `E0504` for plans that do not fit.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use braid_passes::annotated::{
+    Annotated, PinTarget, Pins, PlacePin, SpeculatePin, default_workload, shapes_from_plan,
+};
+use braid_passes::cluster::ClusterSpec;
+use braid_passes::cost::ModelShape;
+use braid_passes::passes::{PassManager, all_passes, run_one};
+use braid_passes::render::{PlanSpans, memory_diagnostics, report, to_text};
+
+fn lower(name: &str, src: &str) -> braid_ir::graph::Plan {
+    let checked = braid_sema::check(name, src, &braid_sema::NoImports);
+    assert!(!checked.has_errors(), "{name}: {:?}", checked.diagnostics);
+    braid_sema::lower_graph::lower_run(&checked.program).unwrap()
+}
+
+fn annotate(plan: braid_ir::graph::Plan, cluster: &str, pins: Pins) -> Annotated {
+    let cluster = ClusterSpec::parse(cluster).unwrap();
+    let shapes = shapes_from_plan(&plan, &mut |dir| {
+        ModelShape::preset_for_path(dir).ok_or_else(|| format!("no preset for {dir}"))
+    })
+    .unwrap();
+    let workload = default_workload(&plan);
+    let cost = cluster.cost_model();
+    Annotated::new(plan, cluster, cost, shapes, workload, pins)
+}
+
+fn example(file: &str) -> braid_ir::graph::Plan {
+    let path = format!("{}/../../examples/{file}.rlhf", env!("CARGO_MANIFEST_DIR"));
+    lower(&path, &std::fs::read_to_string(&path).unwrap())
+}
+
+/// PPO with LLaMA-7B-sized actor, critic, reference and reward models.
+const PPO_7B: &str = r#"
+use std::ppo
+model actor = hf("llama-7b") { train: adamw(lr: 1e-6) }
+model critic = hf("llama-7b") { head: value
+  train: adamw(lr: 1e-6) }
+model rm = hf("llama-7b") { head: score }
+dataset prompts = synthetic::letters(count: 4096)
+run ppo(actor, prompts, reward_model: rm, critic: critic) {
+  steps: 10
+  batch: 128
+  max_new_tokens: 512
+  minibatches: 2
+}
+"#;
+
+const GRPO_TINY: &str = r#"
+use std::grpo
+model policy = tiny(vocab: "bytes", layers: 2, hidden: 64, heads: 4) { train: adamw(lr: 1e-3) }
+dataset prompts = synthetic::letters(count: 64)
+fn r(s: Sample) -> float { len(s.completion) }
+run grpo(policy, prompts, reward: r) {
+  steps: 3
+  batch: 8
+  group: 4
+  max_new_tokens: 64
+}
+"#;
+
+fn ppo_7b() -> braid_ir::graph::Plan {
+    lower("ppo_7b.rlhf", PPO_7B)
+}
+
+/// The plans each pass is snapshotted on: (name, plan, cluster).
+fn cases() -> Vec<(&'static str, braid_ir::graph::Plan, &'static str)> {
+    vec![
+        ("ppo_tiny_1x8xH100", example("ppo_tiny"), "1x8xH100"),
+        ("grpo_tiny_cpu", lower("grpo.rlhf", GRPO_TINY), "cpu"),
+        ("ppo_7b_2x8xH100", ppo_7b(), "2x8xH100"),
+    ]
+}
+
+#[test]
+fn each_pass_alone_is_snapshotted() {
+    for pass in all_passes() {
+        for (name, plan, cluster) in cases() {
+            let mut a = annotate(plan, cluster, Pins::default());
+            let before = a.plan.graph_text();
+            run_one(pass.as_ref(), &mut a, true).unwrap();
+            a.plan.graph.verify().unwrap();
+            let text = format!(
+                "# pass {} alone on {name}\n# graph before:\n{before}\n{}",
+                pass.name(),
+                to_text(&report(&a))
+            );
+            insta::assert_snapshot!(format!("{}__{name}", pass.name()), text);
+        }
+    }
+}
+
+#[test]
+fn the_pipeline_verifies_between_passes_and_is_deterministic() {
+    for (name, plan, cluster) in cases() {
+        let run = || {
+            let mut a = annotate(plan.clone(), cluster, Pins::default());
+            let mut seen = Vec::new();
+            PassManager::new()
+                .run(&mut a, |p, a| {
+                    a.plan.graph.verify().unwrap();
+                    seen.push(p.to_string());
+                })
+                .unwrap();
+            assert_eq!(seen.len(), 5, "{name}");
+            to_text(&report(&a))
+        };
+        let first = run();
+        assert_eq!(first, run(), "{name}: planning is not deterministic");
+        insta::assert_snapshot!(format!("pipeline__{name}"), first);
+    }
+}
+
+#[test]
+fn disabled_passes_do_not_run_and_unknown_names_are_errors() {
+    let mut a = annotate(ppo_7b(), "2x8xH100", Pins::default());
+    PassManager::new()
+        .disable(&["place", "speculate"])
+        .unwrap()
+        .run(&mut a, |_, _| {})
+        .unwrap();
+    assert_eq!(
+        a.decisions.passes_run,
+        ["sample-split", "microbatch-interleave", "reshard-insert"]
+    );
+    assert!(a.decisions.search.is_none() && a.decisions.speculation.is_empty());
+    let e = PassManager::new().disable(&["fuse"]).unwrap_err();
+    assert!(
+        e.0.contains("unknown pass `fuse`") && e.0.contains("sample-split"),
+        "{e}"
+    );
+}
+
+#[test]
+fn searched_placement_is_never_worse_than_the_heuristic() {
+    for (name, plan, cluster) in cases() {
+        let mut a = annotate(plan, cluster, Pins::default());
+        PassManager::new().run(&mut a, |_, _| {}).unwrap();
+        let s = a.decisions.search.clone().unwrap();
+        assert!(s.searched_seconds <= s.heuristic_seconds, "{name}: {s:?}");
+    }
+}
+
+#[test]
+fn pins_are_respected() {
+    let target = |op: &str, model: &str| PinTarget {
+        op: op.into(),
+        model: Some(model.into()),
+    };
+    let pins = Pins {
+        place: vec![PlacePin {
+            target: target("generate", "actor"),
+            from: 0,
+            to: 8,
+            tp: Some(2),
+            pp: None,
+            dp: None,
+        }],
+        speculate: vec![(Some(target("generate", "actor")), SpeculatePin::Off)],
+        migrate_below: Some(0.25),
+        ..Pins::default()
+    };
+    let mut a = annotate(ppo_7b(), "2x8xH100", pins);
+    PassManager::new().run(&mut a, |_, _| {}).unwrap();
+    let gen_id = a.calls()[0];
+    let p = a.decisions.placements[&gen_id];
+    assert_eq!((p.first, p.count, p.dp, p.tp, p.pp), (0, 8, 4, 2, 1));
+    assert_eq!(a.decisions.speculation[&gen_id].mode, "off");
+    assert!(a.decisions.speculation[&gen_id].pinned);
+    assert_eq!(a.decisions.migrations[&gen_id].threshold, 32);
+}
+
+#[test]
+fn a_plan_that_does_not_fit_is_an_e0504_naming_call_device_and_bytes() {
+    let src = PPO_7B.replace("llama-7b", "llama-65b");
+    let mut a = annotate(lower("ppo_65b.rlhf", &src), "1x1xH100", Pins::default());
+    PassManager::new().run(&mut a, |_, _| {}).unwrap();
+    let diags = memory_diagnostics(&a, &PlanSpans::default());
+    assert!(!diags.is_empty());
+    let d = &diags[0];
+    assert_eq!(d.code, braid_diagnostics::Code::E0504);
+    assert!(d.message.contains("generate(actor)"), "{}", d.message);
+    assert!(
+        d.message.contains("device 0") && d.message.contains("bytes"),
+        "{}",
+        d.message
+    );
+    assert!(d.message.contains("H100"), "{}", d.message);
+}
