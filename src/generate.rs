@@ -6,6 +6,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
+use braid_runtime::spec::SpeculateMode;
 use braid_runtime::{
     ChatMessage, EngineOptions, Error, Head, LoadOptions, Model, SamplingParams, TinyConfig,
     Tokenizer, device, generate_stream, tiny,
@@ -65,6 +66,12 @@ pub struct Args {
     /// Most samples decoded together.
     #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..))]
     max_batch: u32,
+    /// Speculative decoding: `off`; `auto` (prompt-lookup drafts, draft length chosen before
+    /// each step from measured costs, 0 when it does not pay); `ngram[:N]` (up to N prompt-lookup
+    /// drafts at every step, default 4); `draft:DIR` (a draft model sharing the tokenizer, draft
+    /// length chosen per step). Greedy text is the same in every mode.
+    #[arg(long, default_value = "off", value_parser = parse_speculate)]
+    speculate: SpeculateMode,
     /// Output format.
     #[arg(long, value_enum, default_value_t = Format::Text)]
     format: Format,
@@ -87,6 +94,10 @@ pub fn run(args: Args) -> ExitCode {
             ExitCode::from(1)
         }
     }
+}
+
+fn parse_speculate(s: &str) -> Result<SpeculateMode, String> {
+    SpeculateMode::parse(s).map_err(|e| e.to_string())
 }
 
 fn read_prompts(path: &Path) -> Result<Vec<String>, Error> {
@@ -179,7 +190,8 @@ fn run_inner(args: &Args) -> Result<(), Error> {
     }
     let options = EngineOptions {
         max_batch: args.max_batch as usize,
-        ..EngineOptions::default()
+        speculate: args.speculate.clone(),
+        draft_len: None,
     };
     let many = texts.len() * args.n as usize > 1;
     let stdout = std::io::stdout();
@@ -253,6 +265,17 @@ mod tests {
         assert!(
             msg.starts_with(&format!("{}: line 2: invalid JSON", p.display())),
             "{msg}"
+        );
+    }
+
+    #[test]
+    fn speculate_values_parse_or_say_what_is_expected() {
+        assert_eq!(parse_speculate("auto"), Ok(SpeculateMode::Auto));
+        assert_eq!(parse_speculate("ngram:6"), Ok(SpeculateMode::Ngram(6)));
+        let e = parse_speculate("fast").unwrap_err();
+        assert!(
+            e.contains("expected off, auto, ngram, ngram:N or draft:DIR"),
+            "{e}"
         );
     }
 

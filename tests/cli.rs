@@ -240,3 +240,66 @@ fn tempdir() -> PathBuf {
     std::fs::create_dir_all(&dir).unwrap();
     dir
 }
+
+#[test]
+fn generate_speculate_keeps_greedy_text_and_rejects_bad_values() {
+    let run = |mode: &str| {
+        braid(&[
+            "generate",
+            "--model",
+            "tiny",
+            "--prompt",
+            "abcabcabc",
+            "--greedy",
+            "--max-new-tokens",
+            "24",
+            "--ignore-eos",
+            "--threads",
+            "1",
+            "--format",
+            "json",
+            "--speculate",
+            mode,
+        ])
+    };
+    // Same tokens and text; log-probabilities equal to rounding (other matrix shapes).
+    let parse = |out: &Output| -> serde_json::Value {
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    let off = parse(&run("off"));
+    for mode in ["auto", "ngram", "ngram:8"] {
+        let spec = parse(&run(mode));
+        assert_eq!(spec["token_ids"], off["token_ids"], "{mode}");
+        assert_eq!(spec["completion"], off["completion"], "{mode}");
+        let lp = |v: &serde_json::Value| -> Vec<f64> {
+            v["logprobs"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_f64().unwrap())
+                .collect()
+        };
+        for (a, b) in lp(&spec).iter().zip(lp(&off)) {
+            assert!((a - b).abs() < 1e-4, "{mode}: {a} vs {b}");
+        }
+    }
+    let bad = run("ngram:0");
+    assert_eq!(bad.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&bad.stderr);
+    assert!(
+        stderr.contains("the draft length after `ngram:` must be a number from 1 to 64"),
+        "{stderr}"
+    );
+    let missing = run("draft:/nonexistent/braid-draft");
+    assert_eq!(missing.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&missing.stderr);
+    assert!(
+        stderr.starts_with("error: /nonexistent/braid-draft: "),
+        "{stderr}"
+    );
+}
