@@ -143,11 +143,11 @@ fn comparison_text(
     for s in &cmp.systems {
         let _ = writeln!(
             o,
-            "{:<52} {:>10.3} s {:>12.3} s {:>10.3} s {:>7.1}% {:>7.1}%",
+            "{:<52} {:>12} {:>14} {:>12} {:>7.1}% {:>7.1}%",
             s.system,
-            s.mean_iteration_seconds,
-            s.generation_inference_seconds,
-            s.training_seconds,
+            secs(s.mean_iteration_seconds),
+            secs(s.generation_inference_seconds),
+            secs(s.training_seconds),
             100.0 * s.mean_utilisation,
             100.0 * s.bubble_fraction
         );
@@ -161,7 +161,9 @@ fn comparison_text(
     if let Some((h, s)) = cmp.searched_vs_heuristic {
         let _ = writeln!(
             o,
-            "placement (cost model): searched {s:.3} s vs heuristic {h:.3} s per iteration"
+            "placement (cost model): searched {} vs heuristic {} per iteration",
+            secs(s),
+            secs(h)
         );
     }
     let gains: Vec<String> = cmp
@@ -177,7 +179,7 @@ fn comparison_text(
     let stages: Vec<String> = report
         .stages
         .iter()
-        .map(|s| format!("{} {:.3} s", s.stage, s.mean_time))
+        .map(|s| format!("{} {}", s.stage, secs(s.mean_time)))
         .collect();
     let _ = writeln!(
         o,
@@ -214,5 +216,16 @@ fn run_pipeline(args: &PipelineArgs) -> ExitCode {
             ExitCode::SUCCESS
         }
         Err(e) => fail(&args.spec, e),
+    }
+}
+
+/// Seconds with a unit that keeps three significant decimals for tiny models.
+fn secs(s: f64) -> String {
+    if s >= 1.0 {
+        format!("{s:.3} s")
+    } else if s >= 1e-3 {
+        format!("{:.3} ms", s * 1e3)
+    } else {
+        format!("{:.3} µs", s * 1e6)
     }
 }

@@ -169,9 +169,11 @@ pub fn call_time(a: &Annotated, id: NodeId, p: &Placement) -> f64 {
             step.total * (epochs * mbs) as f64
         }
         _ => {
-            let (_, chunk) = per_replica(size.samples, p);
-            let stage = a.cost.forward_time(shape, p.layout(), chunk, size.mean_seq) / p.pp as f64;
-            (p.microbatches.max(1) + p.pp - 1) as f64 * stage
+            // Chunks one after another through all stages, as the simulator runs them
+            // (`Work::inference`): pipeline stages add latency, not throughput.
+            let (per, chunk) = per_replica(size.samples, p);
+            per.div_ceil(chunk) as f64
+                * a.cost.forward_time(shape, p.layout(), chunk, size.mean_seq)
         }
     }
 }

@@ -16,7 +16,7 @@ use braid_ir::graph::{Gran, NodeId, Op};
 use crate::annotated::{Annotated, Cut, MigrationDecision, Placement, StreamDecision};
 use crate::estimate::{self, call_size};
 use crate::passes::{Pass, PassError};
-use crate::sim::{SimOptions, pick_migration_threshold};
+use crate::sim::{SimOptions, pick_migration_threshold, simulate};
 use crate::to_sim::to_dag;
 
 pub struct SampleSplit;
@@ -181,6 +181,45 @@ impl Pass for SampleSplit {
                     why,
                 },
             );
+            // Keep migration (and the moved subtasks) only if it beats streaming without it.
+            let with = simulated(a, &opts)?;
+            let mut without = a.clone();
+            without.decisions.migrations.remove(&gen_id);
+            without.decisions.subtask_placements.retain(|id, _| {
+                a.decisions
+                    .streams
+                    .get(id)
+                    .is_none_or(|s| s.generate != gen_id)
+            });
+            let plain = simulated(&without, &opts)?;
+            if plain <= with {
+                a.decisions.notes.push(format!(
+                    "sample-split: migrating {}'s tail would not pay ({with:.3} s vs {plain:.3} s \
+                     simulated per iteration); it streams without migrating",
+                    a.call_name(gen_id)
+                ));
+                a.decisions.migrations = without.decisions.migrations;
+                a.decisions.subtask_placements = without.decisions.subtask_placements;
+            }
+        }
+        // Streaming at all must beat the plan without it.
+        let opts = SimOptions {
+            iterations: 2,
+            seed: a.seed,
+        };
+        let fused = simulated(a, &opts)?;
+        let (dag, _) = to_dag(a, false).map_err(PassError)?;
+        let unfused = simulate(&dag, &opts)
+            .map_err(|e| PassError(e.0))?
+            .mean_iteration_time;
+        if unfused < fused {
+            a.decisions.notes.push(format!(
+                "sample-split: streaming would not pay ({fused:.3} s vs {unfused:.3} s simulated \
+                 per iteration); nothing streams"
+            ));
+            a.decisions.streams.clear();
+            a.decisions.migrations.clear();
+            a.decisions.subtask_placements.clear();
         }
         Ok(())
     }
@@ -214,4 +253,12 @@ fn subtask_placement(
         pp: p.pp,
         microbatches: per.div_ceil(chunk).max(1),
     })
+}
+
+/// Mean simulated iteration time of the plan with its fusion decisions.
+fn simulated(a: &Annotated, opts: &SimOptions) -> Result<f64, PassError> {
+    let (dag, _) = to_dag(a, true).map_err(PassError)?;
+    Ok(simulate(&dag, opts)
+        .map_err(|e| PassError(e.0))?
+        .mean_iteration_time)
 }

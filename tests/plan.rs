@@ -1,0 +1,142 @@
+//! End-to-end tests of `braid plan` and `braid sim FILE`: every example planned (text, JSON,
+//! DOT) and simulated for `cpu`, one H100 and 32×8 H800s; output byte-identical on rerun and
+//! snapshotted; bad flags are errors; a plan that does not fit is `E0504` before anything runs.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::process::Command;
+
+const EXAMPLES: [&str; 3] = ["quickstart", "ppo_tiny", "grpo_math"];
+const CLUSTERS: [&str; 3] = ["cpu", "1x1xH100", "32x8xH800"];
+
+fn braid(args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_braid"))
+        .args(args)
+        .output()
+        .expect("braid runs");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn ok(args: &[&str]) -> String {
+    let (code, out, err) = braid(args);
+    assert_eq!(code, 0, "braid {args:?} failed:\n{err}");
+    out
+}
+
+#[test]
+fn plan_every_example_on_every_cluster_deterministically() {
+    for ex in EXAMPLES {
+        let file = format!("examples/{ex}.rlhf");
+        for cluster in CLUSTERS {
+            let text = ok(&["plan", &file, "--cluster", cluster]);
+            assert_eq!(
+                text,
+                ok(&["plan", &file, "--cluster", cluster]),
+                "{ex} on {cluster}: not deterministic"
+            );
+            for call in ["generate(", "train("] {
+                assert!(text.contains(call), "{ex} on {cluster}: no {call}\n{text}");
+            }
+            assert!(text.contains("memory per device") && text.contains("predicted iteration"));
+            insta::assert_snapshot!(format!("plan_{ex}_{cluster}"), text);
+            let json = ok(&["plan", &file, "--cluster", cluster, "--format", "json"]);
+            let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+            assert!(v["calls"].as_array().is_some_and(|c| !c.is_empty()));
+            let dot = ok(&["plan", &file, "--cluster", cluster, "--format", "dot"]);
+            assert!(dot.starts_with("digraph") && dot.contains("xlabel"));
+        }
+    }
+}
+
+#[test]
+fn dump_after_and_disable_pass() {
+    let file = "examples/ppo_tiny.rlhf";
+    let after_place = ok(&[
+        "plan",
+        file,
+        "--cluster",
+        "1x8xH100",
+        "--dump-after",
+        "place",
+    ]);
+    assert!(after_place.contains("passes: place\n"), "{after_place}");
+    let without = ok(&[
+        "plan",
+        file,
+        "--cluster",
+        "1x8xH100",
+        "--disable-pass",
+        "speculate",
+        "--disable-pass",
+        "sample-split",
+    ]);
+    assert!(without.contains("passes: place, microbatch-interleave, reshard-insert\n"));
+    assert!(!without.contains("speculate:"));
+    let (code, _, err) = braid(&["plan", file, "--disable-pass", "fuse"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("unknown pass `fuse`"), "{err}");
+    let (code, _, err) = braid(&["plan", file, "--dump-after", "nope"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("unknown pass `nope`"), "{err}");
+}
+
+#[test]
+fn a_plan_that_does_not_fit_is_e0504() {
+    let (code, out, err) = braid(&["plan", "tests/ui/E0504-plan-exceeds-memory.rlhf"]);
+    assert_eq!(code, 1, "{out}");
+    assert!(err.contains("E0504") && err.contains("train(policy)") && err.contains("bytes"));
+    assert!(out.is_empty());
+}
+
+#[test]
+fn sim_every_example_with_baselines_and_traces() {
+    let dir = std::env::temp_dir().join(format!("braid-sim-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for ex in EXAMPLES {
+        let file = format!("examples/{ex}.rlhf");
+        for cluster in CLUSTERS {
+            let trace = dir.join(format!("{ex}-{cluster}.json"));
+            let svg = dir.join(format!("{ex}-{cluster}.svg"));
+            let args = [
+                "sim",
+                &file,
+                "--cluster",
+                cluster,
+                "--iterations",
+                "1",
+                "--gen-lengths",
+                "lognormal:3,0.8,64",
+                "--trace",
+                trace.to_str().unwrap(),
+                "--svg",
+                svg.to_str().unwrap(),
+            ];
+            let text = ok(&args);
+            for system in [
+                "deepspeed-chat",
+                "real-heuristic",
+                "braid without fusion",
+                "braid ",
+            ] {
+                assert!(
+                    text.contains(system),
+                    "{ex} on {cluster}: no {system}\n{text}"
+                );
+            }
+            assert!(text.contains("fusion gain") && text.contains("gain of each pass"));
+            let t: serde_json::Value =
+                serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
+            assert!(t.is_object() || t.is_array());
+            assert!(std::fs::read_to_string(&svg).unwrap().starts_with("<svg"));
+            if cluster != "32x8xH800" {
+                assert_eq!(text, ok(&args), "{ex} on {cluster}: sim not deterministic");
+            }
+            insta::assert_snapshot!(format!("sim_{ex}_{cluster}"), text);
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
