@@ -21,7 +21,17 @@ fn lower(name: &str, src: &str) -> braid_ir::graph::Plan {
 
 fn annotate(plan: braid_ir::graph::Plan, cluster: &str, pins: Pins) -> Annotated {
     let cluster = ClusterSpec::parse(cluster).unwrap();
+    // A model directory's config.json (relative to examples/, where the example programs
+    // are), else a preset named by the directory.
     let shapes = shapes_from_plan(&plan, &mut |dir| {
+        let cfg = format!(
+            "{}/../../examples/{dir}/config.json",
+            env!("CARGO_MANIFEST_DIR")
+        );
+        if let Ok(text) = std::fs::read_to_string(&cfg) {
+            let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| e.to_string())?;
+            return ModelShape::from_hf_config(dir, &json).map_err(|e| e.to_string());
+        }
         ModelShape::preset_for_path(dir).ok_or_else(|| format!("no preset for {dir}"))
     })
     .unwrap();
