@@ -331,3 +331,47 @@ fn bad_inputs_name_the_file() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("run.json"));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A `speculate` pin reaches the engine: with n-gram drafts, sampled text is drawn exactly as
+/// without speculation (docs/runtime.md), so the whole run computes the same numbers.
+#[test]
+fn a_speculate_pin_changes_speed_not_results() {
+    let dir = tmp("spec");
+    let plain = dir.join("plain.rlhf");
+    std::fs::write(&plain, SMALL.replace("steps: 10", "steps: 3")).unwrap();
+    let pinned = dir.join("pinned.rlhf");
+    std::fs::write(
+        &pinned,
+        format!(
+            "{}\nschedule {{\n  speculate generate(policy) ngram(2) max 4\n}}\n",
+            SMALL.replace("steps: 10", "steps: 3")
+        ),
+    )
+    .unwrap();
+    let out = braid(&["check", pinned.to_str().unwrap()]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mut runs = Vec::new();
+    for (name, file) in [("plain", &plain), ("pinned", &pinned)] {
+        let run_dir = dir.join(name);
+        let out = braid(&[
+            "run",
+            file.to_str().unwrap(),
+            "--run-dir",
+            run_dir.to_str().unwrap(),
+        ]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        runs.push(comparable(&metrics(&run_dir)));
+    }
+    let plan = std::fs::read_to_string(dir.join("pinned/plan.txt")).unwrap();
+    assert!(plan.contains("speculate=ngram:4"), "{plan}");
+    assert_eq!(runs[0], runs[1]);
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -40,6 +40,7 @@ use crate::model::{Head, LoadOptions, Model};
 use crate::optim::AdamW;
 use crate::rng::Rng;
 use crate::sampling::SamplingParams;
+use crate::spec::SpeculateMode;
 use crate::tiny::{TinyConfig, TinyVocab, tiny};
 use crate::tokenizer::{ChatMessage, Tokenizer};
 
@@ -840,7 +841,18 @@ impl<'p> Executor<'p> {
         let mut partial: BTreeMap<NodeId, Vec<Option<PerSampleOut>>> =
             consumers.iter().map(|c| (*c, vec![None; total])).collect();
         let n = sampling.n;
-        let engine = EngineOptions::default();
+        let engine = EngineOptions {
+            speculate: match params.speculate.as_deref() {
+                None => SpeculateMode::Off,
+                Some(s) => match SpeculateMode::parse(s)? {
+                    SpeculateMode::Draft(dir) if dir.is_relative() => {
+                        SpeculateMode::Draft(self.options.base_dir.join(dir))
+                    }
+                    other => other,
+                },
+            },
+            ..EngineOptions::default()
+        };
         // Split borrows: generation gets the replica (or the model when nothing streams).
         let mut gen_model: Option<&mut Model> = None;
         let mut tok: Option<&Tokenizer> = None;

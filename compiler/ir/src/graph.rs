@@ -147,6 +147,10 @@ pub struct GenParams {
     pub top_p: f64,
     pub top_k: i64,
     pub greedy: bool,
+    /// Speculative decoding as the schedule pins it, in `braid generate --speculate` form:
+    /// `off`, `ngram:N` (drafts of up to N tokens) or `draft:DIR`. `None`: not pinned.
+    #[serde(default)]
+    pub speculate: Option<String>,
 }
 
 /// Element-wise arithmetic on per-token or per-sample values (a per-sample value broadcasts
@@ -672,14 +676,18 @@ impl TaskGraph {
             let detail = match &n.op {
                 Op::Next { dataset, count } => format!("{} {count}", name(dataset_names, *dataset)),
                 Op::Generate { model, params: p } => format!(
-                    "{} n={} max_new_tokens={} temperature={:?} top_p={:?} top_k={} greedy={}",
+                    "{} n={} max_new_tokens={} temperature={:?} top_p={:?} top_k={} greedy={}{}",
                     name(model_names, *model),
                     p.n,
                     p.max_new_tokens,
                     p.temperature,
                     p.top_p,
                     p.top_k,
-                    p.greedy
+                    p.greedy,
+                    p.speculate
+                        .as_deref()
+                        .map(|s| format!(" speculate={s}"))
+                        .unwrap_or_default()
                 ),
                 Op::Logprobs { model } | Op::Values { model } | Op::Score { model } => {
                     name(model_names, *model)

@@ -130,6 +130,7 @@ pub fn lower_run(program: &Program) -> Result<g::Plan, LowerError> {
     };
     cx.version_edges();
     let micro = cx.micro_batches();
+    cx.speculate_pins()?;
     if let Err(e) = cx.graph.verify() {
         return err(format!("internal: the lowered graph is malformed: {e}"));
     }
@@ -517,6 +518,7 @@ impl Cx<'_> {
                         Some(Const::Bool(b)) => b,
                         _ => false,
                     },
+                    speculate: None,
                 },
             },
             ModelOp::Logprobs => Op::Logprobs { model },
@@ -704,6 +706,58 @@ impl Cx<'_> {
             }
         }
         DEFAULT_MICRO_BATCH
+    }
+
+    /// Applies `speculate` pins to their `generate` calls. A draft model must be a Hugging Face
+    /// directory: the engine loads drafts from one.
+    fn speculate_pins(&mut self) -> Result<(), LowerError> {
+        let Some(schedule) = &self.program.schedule else {
+            return Ok(());
+        };
+        let names = self.slot_names();
+        for pin in &schedule.pins {
+            let PinKind::Speculate { target, mode } = &pin.kind else {
+                continue;
+            };
+            let value = match mode {
+                ast::SpeculateMode::Off => "off".to_string(),
+                ast::SpeculateMode::Ngram { max, .. } => {
+                    format!("ngram:{}", max.as_ref().map_or(4, |m| m.value))
+                }
+                ast::SpeculateMode::Draft(model) => {
+                    let Some(m) = self.program.models.iter().find(|m| m.name == model.name) else {
+                        return err(format!("draft model `{}` is not declared", model.name));
+                    };
+                    match &m.source {
+                        ModelSource::Hf { dir } => format!("draft:{dir}"),
+                        _ => {
+                            return err(format!(
+                                "draft model `{}` must be a Hugging Face directory (`hf(\"…\")`) for the runtime to load it",
+                                model.name
+                            ));
+                        }
+                    }
+                }
+            };
+            for id in self.nodes_in_order.clone() {
+                let hit = match target {
+                    Some(sel) => selects(sel, self.graph.node(id), &names),
+                    None => matches!(
+                        self.graph.node(id).map(|n| &n.op),
+                        Some(Op::Generate { .. })
+                    ),
+                };
+                if hit
+                    && let Some(Node {
+                        op: Op::Generate { params, .. },
+                        ..
+                    }) = self.graph.node_mut(id)
+                {
+                    params.speculate = Some(value.clone());
+                }
+            }
+        }
+        Ok(())
     }
 
     /// For each slot, the names a selector may use: the slot's name and, for a model bound
