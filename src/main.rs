@@ -12,6 +12,7 @@ mod fmt;
 mod generate;
 mod lsp;
 mod plan;
+mod report;
 #[cfg(feature = "runtime")]
 mod run;
 mod sim;
@@ -40,6 +41,8 @@ enum Command {
     Generate(generate::Args),
     /// Start the language server on stdio.
     Lsp(lsp::Args),
+    /// Write an HTML page with a run's metric plots and stage timeline.
+    Report(report::Args),
     /// Train: execute a program's run, with checkpoints and metrics.
     #[cfg(feature = "runtime")]
     Run(run::Args),
@@ -58,6 +61,7 @@ fn main() -> ExitCode {
         #[cfg(feature = "runtime")]
         Command::Generate(args) => generate::run(args),
         Command::Lsp(args) => lsp::run(args),
+        Command::Report(args) => report::run(args),
         #[cfg(feature = "runtime")]
         Command::Run(args) => run::run(args),
         Command::Plan(args) => plan::run(args),

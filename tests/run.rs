@@ -103,6 +103,25 @@ fn quickstart_learns_and_leaves_a_loadable_checkpoint() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    // TensorBoard events and the HTML report.
+    let tb: Vec<_> = std::fs::read_dir(run_dir.join("tensorboard"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    assert_eq!(tb.len(), 1);
+    assert!(std::fs::metadata(&tb[0]).unwrap().len() > 20 * 100);
+    let out = braid(&["report", run_dir.to_str().unwrap()]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let html = std::fs::read_to_string(run_dir.join("report.html")).unwrap();
+    assert!(html.contains("<title>reward_mean</title>") && html.contains("stage timeline"));
+    assert!(html.matches("<svg").count() > 10);
+    let out = braid(&["report", dir.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("metrics.jsonl"));
     // A second run into the same directory is refused without --resume or --overwrite.
     let out = braid(&[
         "run",

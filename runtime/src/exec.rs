@@ -496,6 +496,8 @@ impl<'p> Executor<'p> {
             .unwrap_or(self.plan.checkpoint_every)
             .max(0);
         let mut lengths_seen: Vec<usize> = Vec::new();
+        let mut tb =
+            crate::tensorboard::EventWriter::create(&self.options.run_dir.join("tensorboard"))?;
         for step in self.first_step..self.total_steps {
             let (metrics, lengths) = self.step(step)?;
             lengths_seen.extend(lengths);
@@ -512,6 +514,8 @@ impl<'p> Executor<'p> {
                 );
             }
             checkpoint::append_line(&metrics_path, &serde_json::Value::Object(line).to_string())?;
+            let scalars: Vec<(&str, f64)> = metrics.iter().map(|(k, v)| (k.as_str(), *v)).collect();
+            tb.scalars(step + 1, &scalars)?;
             on_event(Event::Step {
                 step: step + 1,
                 total: self.total_steps,

@@ -19,6 +19,7 @@ pub mod rng;
 pub mod sampling;
 pub mod save;
 pub mod spec;
+pub mod tensorboard;
 pub mod tiny;
 pub mod tokenizer;
 pub mod weights;
