@@ -37,10 +37,8 @@ impl Dataset {
                 read_jsonl(&p, &spec.prompt_field, &spec.answer_field)?
             }
             DatasetSource::Parquet { path } => {
-                return Err(Error::file(
-                    resolve(base_dir, path),
-                    "parquet datasets are not supported by this build; convert the file to JSONL (one object per line)",
-                ));
+                let p = resolve(base_dir, path);
+                read_parquet(&p, &spec.prompt_field, &spec.answer_field)?
             }
             DatasetSource::Synthetic {
                 kind,
@@ -177,6 +175,71 @@ pub fn read_jsonl(path: &Path, prompt_field: &str, answer_field: &str) -> Result
     Ok(out)
 }
 
+/// Reads a Parquet file: one record per row, the prompt (a string column) and optionally the
+/// answer (a string or number column) under the mapped column names. Uncompressed and snappy
+/// column chunks are read (snappy is pandas' and pyarrow's default).
+pub fn read_parquet(path: &Path, prompt_field: &str, answer_field: &str) -> Result<Vec<Record>> {
+    use parquet::file::reader::{FileReader, SerializedFileReader};
+    use parquet::record::Field;
+    let file =
+        std::fs::File::open(path).map_err(|e| Error::file(path, format!("cannot read: {e}")))?;
+    let reader = SerializedFileReader::new(file)
+        .map_err(|e| Error::file(path, format!("not a readable Parquet file: {e}")))?;
+    let rows = reader
+        .get_row_iter(None)
+        .map_err(|e| Error::file(path, format!("cannot read rows: {e}")))?;
+    let mut out = Vec::new();
+    for (i, row) in rows.enumerate() {
+        let at = |what: String| Error::file(path, format!("row {}: {what}", i + 1));
+        let row = row.map_err(|e| at(format!("cannot decode: {e}")))?;
+        let mut prompt = None;
+        let mut answer = String::new();
+        let mut names = Vec::new();
+        for (name, field) in row.get_column_iter() {
+            names.push(name.clone());
+            if name == prompt_field {
+                prompt = Some(match field {
+                    Field::Str(s) => s.clone(),
+                    Field::Null => return Err(at(format!("column `{prompt_field}` is null"))),
+                    other => {
+                        return Err(at(format!(
+                            "column `{prompt_field}` must be a string, found {other}"
+                        )));
+                    }
+                });
+            } else if name == answer_field {
+                answer = match field {
+                    Field::Null => String::new(),
+                    Field::Str(s) => s.clone(),
+                    Field::Bool(_)
+                    | Field::Group(_)
+                    | Field::ListInternal(_)
+                    | Field::MapInternal(_) => {
+                        return Err(at(format!(
+                            "column `{answer_field}` must be a string or a number, found {field}"
+                        )));
+                    }
+                    other => other.to_string(),
+                };
+            }
+        }
+        let Some(prompt) = prompt else {
+            return Err(at(format!(
+                "missing column `{prompt_field}` (the prompt); the file has {}; map another column with `fields: {{ prompt: \"…\" }}`",
+                names.join(", ")
+            )));
+        };
+        if prompt.is_empty() {
+            return Err(at(format!("column `{prompt_field}` is empty")));
+        }
+        out.push(Record { prompt, answer });
+    }
+    if out.is_empty() {
+        return Err(Error::file(path, "has no rows"));
+    }
+    Ok(out)
+}
+
 /// The synthetic sources: `letters` (a few random lowercase letters followed by a space) and
 /// `arithmetic` (`a + b =` with `digits`-digit operands and the sum as the answer).
 pub fn synthetic(kind: &str, count: i64, seed: i64, digits: i64) -> Result<Vec<Record>> {
@@ -302,6 +365,83 @@ mod tests {
             a.parse::<u64>().unwrap() + b.parse::<u64>().unwrap(),
             r.answer.parse::<u64>().unwrap()
         );
+    }
+
+    /// Writes a snappy-compressed Parquet file with a string column and an optional int column.
+    fn write_parquet(path: &Path, prompts: &[&str], answers: &[Option<i64>]) {
+        use parquet::basic::Compression;
+        use parquet::data_type::ByteArray;
+        use parquet::file::properties::WriterProperties;
+        use parquet::file::writer::SerializedFileWriter;
+        use parquet::schema::parser::parse_message_type;
+        use std::sync::Arc;
+        let schema = Arc::new(
+            parse_message_type(
+                "message s { REQUIRED BYTE_ARRAY question (UTF8); OPTIONAL INT64 answer; }",
+            )
+            .unwrap(),
+        );
+        let props = Arc::new(
+            WriterProperties::builder()
+                .set_compression(Compression::SNAPPY)
+                .build(),
+        );
+        let file = std::fs::File::create(path).unwrap();
+        let mut w = SerializedFileWriter::new(file, schema, props).unwrap();
+        let mut rg = w.next_row_group().unwrap();
+        let mut col = rg.next_column().unwrap().unwrap();
+        let vals: Vec<ByteArray> = prompts.iter().map(|p| ByteArray::from(*p)).collect();
+        col.typed::<parquet::data_type::ByteArrayType>()
+            .write_batch(&vals, None, None)
+            .unwrap();
+        col.close().unwrap();
+        let mut col = rg.next_column().unwrap().unwrap();
+        let present: Vec<i64> = answers.iter().flatten().copied().collect();
+        let defs: Vec<i16> = answers.iter().map(|a| i16::from(a.is_some())).collect();
+        col.typed::<parquet::data_type::Int64Type>()
+            .write_batch(&present, Some(&defs), None)
+            .unwrap();
+        col.close().unwrap();
+        rg.close().unwrap();
+        w.close().unwrap();
+    }
+
+    #[test]
+    fn parquet_rows_become_records_and_bad_columns_name_the_row() {
+        let dir = std::env::temp_dir().join(format!("braid-pq-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("d.parquet");
+        write_parquet(&p, &["1 + 2 =", "3 + 4 ="], &[Some(3), None]);
+        let r = read_parquet(&p, "question", "answer").unwrap();
+        assert_eq!(
+            r,
+            vec![
+                Record {
+                    prompt: "1 + 2 =".into(),
+                    answer: "3".into()
+                },
+                Record {
+                    prompt: "3 + 4 =".into(),
+                    answer: String::new()
+                }
+            ]
+        );
+        let e = read_parquet(&p, "prompt", "answer")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("d.parquet")
+                && e.contains("row 1")
+                && e.contains("`prompt`")
+                && e.contains("question"),
+            "{e}"
+        );
+        std::fs::write(&p, b"not parquet").unwrap();
+        let e = read_parquet(&p, "question", "answer")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("d.parquet") && e.contains("Parquet"), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
