@@ -394,3 +394,117 @@ fn a_speculate_pin_changes_speed_not_results() {
     assert_eq!(runs[0], runs[1]);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+const ALGO_MODELS: &str = r#"
+model policy = tiny(vocab: "bytes", layers: 1, hidden: 32, heads: 2, seed: 4) {
+  train: adamw(lr: 1e-3, warmup: 1, schedule: "cosine")
+  grad_clip: 1.0
+}
+model critic = tiny(vocab: "bytes", layers: 1, hidden: 32, heads: 2, seed: 6) {
+  head: value
+  train: adamw(lr: 1e-3)
+}
+dataset prompts = synthetic::letters(count: 64, seed: 3)
+fn vowels(s: Sample) -> float {
+  count(s.completion, r"[aeiou]") / max(len(s.completion), 1)
+}
+"#;
+
+/// Every algorithm of the standard library runs as its pipeline (no Rust copy of any of them):
+/// GRPO, Dr. GRPO, RLOO, REINFORCE++, ReMax and PPO with a reward function, with epochs,
+/// mini-batches, warm-up, a cosine schedule and gradient clipping; the generated lengths feed
+/// `braid plan --gen-lengths`.
+#[test]
+fn every_stdlib_algorithm_runs_as_its_pipeline() {
+    let dir = tmp("algos");
+    let runs = [
+        (
+            "grpo",
+            "grpo(policy, prompts, reward: vowels)",
+            "group: 2\n  epochs: 2\n  minibatches: 2",
+        ),
+        (
+            "grpo",
+            "grpo(policy, prompts, reward: vowels)",
+            "group: 2\n  variant: \"dr_grpo\"",
+        ),
+        ("rloo", "rloo(policy, prompts, reward: vowels)", "group: 2"),
+        (
+            "reinforce_pp",
+            "reinforce_pp(policy, prompts, reward: vowels)",
+            "group: 2",
+        ),
+        ("remax", "remax(policy, prompts, reward: vowels)", ""),
+        (
+            "ppo",
+            "ppo_fn(policy, prompts, reward: vowels, critic: critic)",
+            "minibatches: 2\n  entropy_coef: 0.01\n  dual_clip: 3.0",
+        ),
+    ];
+    for (i, (module, call, extra)) in runs.iter().enumerate() {
+        // Models a pipeline does not use are a warning only.
+        let src = format!(
+            "use std::{module}\n{ALGO_MODELS}\nrun {call} {{\n  steps: 2\n  batch: 4\n  max_new_tokens: 6\n  {extra}\n}}\n"
+        );
+        let file = dir.join(format!("algo{i}.rlhf"));
+        std::fs::write(&file, src).unwrap();
+        let run_dir = dir.join(format!("run{i}"));
+        let out = braid(&[
+            "run",
+            file.to_str().unwrap(),
+            "--run-dir",
+            run_dir.to_str().unwrap(),
+        ]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{call}: {stderr}");
+        let m = metrics(&run_dir);
+        assert_eq!(m.len(), 2, "{call}");
+        for line in &m {
+            for k in [
+                "reward_mean",
+                "policy/loss",
+                "policy/grad_norm",
+                "policy/lr",
+            ] {
+                assert!(num(line, k).is_finite(), "{call}: {k}");
+            }
+        }
+        // The cosine schedule after one warm-up step decays the learning rate.
+        if *module == "grpo" && extra.contains("epochs") {
+            assert!(
+                num(&m[1], "policy/lr") < num(&m[0], "policy/lr") + 1e-12,
+                "{m:?}"
+            );
+        }
+        if call.contains("critic") {
+            assert!(num(&m[1], "critic/loss").is_finite());
+        }
+        let lengths = run_dir.join("lengths.txt");
+        let text = std::fs::read_to_string(&lengths).unwrap();
+        let total: u64 = text
+            .lines()
+            .filter(|l| !l.starts_with('#'))
+            .map(|l| l.split_whitespace().nth(1).unwrap().parse::<u64>().unwrap())
+            .sum();
+        let n = if module.contains("grpo") || *module == "rloo" || *module == "reinforce_pp" {
+            16
+        } else {
+            8
+        };
+        assert_eq!(total, n, "{call}: {text}");
+        if i == 0 {
+            let out = braid(&[
+                "plan",
+                file.to_str().unwrap(),
+                "--gen-lengths",
+                lengths.to_str().unwrap(),
+            ]);
+            assert!(
+                out.status.success(),
+                "{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -1093,9 +1093,14 @@ impl Builder<'_> {
             if a.as_rule() == Rule::named_arg {
                 let aspan = self.span(&a);
                 let mut it = inner(a);
+                // An argument's name is a label, not a binding: keywords are allowed
+                // (`adamw(schedule: "cosine")`).
                 let name = it
                     .next()
-                    .map(|i| self.ident(i))
+                    .map(|i| Ident {
+                        name: i.as_str().to_string(),
+                        span: self.span(&i),
+                    })
                     .unwrap_or_else(|| self.missing_ident(aspan));
                 let value = match it.next() {
                     Some(e) => self.expr(e),

@@ -530,11 +530,12 @@ impl<'p> Executor<'p> {
                 });
             }
         }
-        let hist = length_histogram(&lengths_seen);
-        checkpoint::write_atomic(
-            &self.options.run_dir.join("lengths.json"),
-            hist.to_string().as_bytes(),
-        )?;
+        if !lengths_seen.is_empty() {
+            checkpoint::write_atomic(
+                &self.options.run_dir.join("lengths.txt"),
+                length_histogram(&lengths_seen).as_bytes(),
+            )?;
+        }
         Ok(())
     }
 
@@ -1414,15 +1415,22 @@ fn mean_std(x: &[f64]) -> (f64, f64) {
     (mean, var.sqrt())
 }
 
-fn length_histogram(lengths: &[usize]) -> serde_json::Value {
+/// The generated lengths as a histogram in the planner's format (`LEN COUNT` per line, `#`
+/// comments): `braid plan FILE --gen-lengths RUN_DIR/lengths.txt` plans with the observed
+/// distribution.
+fn length_histogram(lengths: &[usize]) -> String {
     let mut counts: BTreeMap<usize, u64> = BTreeMap::new();
     for &l in lengths {
-        *counts.entry(l).or_default() += 1;
+        *counts.entry(l.max(1)).or_default() += 1;
     }
-    serde_json::json!({
-        "samples": lengths.len(),
-        "histogram": counts.iter().map(|(l, c)| serde_json::json!([l, c])).collect::<Vec<_>>(),
-    })
+    let mut out = format!(
+        "# generated lengths of the policy's rollouts: {} samples (LEN COUNT)\n",
+        lengths.len()
+    );
+    for (l, c) in counts {
+        out.push_str(&format!("{l} {c}\n"));
+    }
+    out
 }
 
 /// What identifies a run's program: its graph and settings.
