@@ -508,3 +508,117 @@ fn every_stdlib_algorithm_runs_as_its_pipeline() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The python that has `transformers`: `BRAID_TRANSFORMERS_PYTHON`, or `.venv/bin/python` with
+/// `PYTHONPATH=.pydeps` when `.pydeps/transformers` exists (as `runtime/tests/save_load.rs`).
+fn transformers_python() -> Option<(PathBuf, Option<PathBuf>)> {
+    if let Ok(p) = std::env::var("BRAID_TRANSFORMERS_PYTHON") {
+        return Some((PathBuf::from(p), None));
+    }
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let py = root.join(".venv/bin/python");
+    let deps = root.join(".pydeps");
+    (py.exists() && deps.join("transformers").exists()).then_some((py, Some(deps)))
+}
+
+/// The policy a run saves loads in `transformers`, which gives the log-probabilities Braid
+/// reports for a greedy completion. Runs where Python with transformers is installed
+/// (`.venv/bin/python -m pip install --target .pydeps transformers`); says so and passes
+/// otherwise.
+#[test]
+fn the_trained_policy_loads_in_transformers() {
+    let Some(py) = transformers_python() else {
+        eprintln!(
+            "skipped: no Python with transformers (set BRAID_TRANSFORMERS_PYTHON or install into .pydeps)"
+        );
+        return;
+    };
+    let dir = tmp("hf");
+    let file = dir.join("small.rlhf");
+    std::fs::write(&file, SMALL.replace("steps: 10", "steps: 3")).unwrap();
+    let run_dir = dir.join("run");
+    let out = braid(&[
+        "run",
+        file.to_str().unwrap(),
+        "--run-dir",
+        run_dir.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let model = run_dir.join("checkpoints/step-000003/models/policy");
+    let out = braid(&[
+        "generate",
+        "--model",
+        model.to_str().unwrap(),
+        "--prompt",
+        "abc ",
+        "--max-new-tokens",
+        "6",
+        "--greedy",
+        "--format",
+        "json",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let sample: serde_json::Value =
+        serde_json::from_str(String::from_utf8_lossy(&out.stdout).lines().next().unwrap()).unwrap();
+    let completion: Vec<i64> = sample["token_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_i64().unwrap())
+        .collect();
+    let braid_lp: Vec<f64> = sample["logprobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_f64().unwrap())
+        .collect();
+    // BOS, then the prompt's bytes (the byte tokenizer).
+    let mut ids: Vec<i64> = vec![256];
+    ids.extend("abc ".bytes().map(i64::from));
+    let prompt_len = ids.len();
+    ids.extend(&completion);
+    let ids_arg: Vec<String> = ids.iter().map(i64::to_string).collect();
+    let mut cmd = Command::new(&py.0);
+    cmd.arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/check_hf_load.py"))
+        .arg(format!("{}:lm", model.display()))
+        .args(["--ids", &ids_arg.join(",")]);
+    if let Some(deps) = &py.1 {
+        cmd.env("PYTHONPATH", deps);
+    }
+    let out = cmd.output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value =
+        serde_json::from_str(String::from_utf8_lossy(&out.stdout).lines().next().unwrap()).unwrap();
+    let logits: Vec<f64> = v["logits"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap())
+        .collect();
+    let vocab = logits.len() / ids.len();
+    assert_eq!(vocab, 259);
+    for (i, &tok) in completion.iter().enumerate() {
+        let row = &logits[(prompt_len - 1 + i) * vocab..(prompt_len + i) * vocab];
+        let max = row.iter().copied().fold(f64::MIN, f64::max);
+        let lse = max + row.iter().map(|x| (x - max).exp()).sum::<f64>().ln();
+        let lp = row[tok as usize] - lse;
+        assert!(
+            (lp - braid_lp[i]).abs() < 1e-3,
+            "token {i}: transformers {lp}, braid {}",
+            braid_lp[i]
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
