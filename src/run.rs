@@ -112,8 +112,12 @@ fn execute(args: &Args) -> Result<(), Fail> {
     if !checked.diagnostics.is_empty() {
         diag::print(&checked.diagnostics, &checked.sources, Format::Human);
     }
-    let plan = braid_sema::lower_graph::lower_run(&checked.program)
+    let mut plan = braid_sema::lower_graph::lower_run(&checked.program)
         .map_err(|e| Fail(format!("{name}: cannot plan the run: {e}"), 1))?;
+    let device = braid_runtime::device::default_device();
+    for note in speculation_from_planner(&file, &mut plan, device) {
+        eprintln!("{note}");
+    }
 
     let resume = args.resume.is_some();
     if !resume && run_dir.exists() {
@@ -157,7 +161,7 @@ fn execute(args: &Args) -> Result<(), Fail> {
         steps: args.steps,
         checkpoint_every: args.checkpoint_every,
         fuse: !args.no_fuse,
-        device: braid_runtime::device::default_device(),
+        device,
     };
     let mut ex = Executor::new(&plan, options).map_err(runtime_err)?;
     let total = ex.total_steps();
@@ -246,6 +250,85 @@ fn execute(args: &Args) -> Result<(), Fail> {
     }
     println!("metrics: {}", run_dir.join("metrics.jsonl").display());
     Ok(())
+}
+
+/// The planner's `speculate` decision for every `generate` the schedule does not pin, for the
+/// one device `braid run` uses (the `cpu` cluster, or one H100-class GPU): where the cost model
+/// says drafting pays at some batch size, the engine runs its adaptive mode (`auto`: prompt-
+/// lookup drafts with the length chosen before every step from measured costs, off where it
+/// does not pay); a declared draft model becomes `draft:DIR`; otherwise `off`. Returns one note
+/// per decision. When the program cannot be planned for this device, generation does not
+/// speculate.
+fn speculation_from_planner(
+    file: &Path,
+    plan: &mut braid_ir::graph::Plan,
+    device: braid_runtime::Device,
+) -> Vec<String> {
+    use braid_ir::graph::{ModelSource, Node, Op};
+    let needs = plan.graph.node_ids().into_iter().any(|id| {
+        matches!(plan.graph.node(id).map(|n| &n.op), Some(Op::Generate { params, .. }) if params.speculate.is_none())
+    });
+    if !needs {
+        return Vec::new();
+    }
+    let inputs = crate::plan::PlanInputs {
+        cluster: Some(
+            if device == braid_runtime::Device::Cpu {
+                "cpu"
+            } else {
+                "1x1xH100"
+            }
+            .into(),
+        ),
+        gen_lengths: None,
+        prompt_len: None,
+        disable_pass: Vec::new(),
+    };
+    let Ok(prepared) = crate::plan::prepare(file, &inputs) else {
+        return vec!["note: the planner could not plan this run for this device; generation does not speculate".into()];
+    };
+    let mut annotated = prepared.annotated;
+    if let Err(e) = braid_passes::passes::PassManager::new().run(&mut annotated, |_, _| {}) {
+        return vec![format!(
+            "note: planning failed ({e}); generation does not speculate"
+        )];
+    }
+    let names = plan.model_names();
+    let hf_dir = |name: &str| {
+        plan.models
+            .iter()
+            .find(|m| m.name == name)
+            .and_then(|m| match &m.source {
+                ModelSource::Hf { dir } => Some(dir.clone()),
+                _ => None,
+            })
+    };
+    let mut notes = Vec::new();
+    for (id, d) in &annotated.decisions.speculation {
+        let drafts = d.policy.iter().any(|(_, k)| *k > 0);
+        let value = match (d.mode.as_str(), drafts) {
+            ("ngram", true) => "auto".to_string(),
+            ("draft", true) => match d.draft_model.as_deref().and_then(hf_dir) {
+                Some(dir) => format!("draft:{dir}"),
+                None => "off".to_string(),
+            },
+            _ => "off".to_string(),
+        };
+        if let Some(Node {
+            op: Op::Generate { model, params },
+            ..
+        }) = plan.graph.node_mut(*id)
+            && params.speculate.is_none()
+        {
+            notes.push(format!(
+                "speculation for generate({}): {value} (planner: {})",
+                names.get(*model as usize).map_or("?", String::as_str),
+                d.why
+            ));
+            params.speculate = Some(value);
+        }
+    }
+    notes
 }
 
 fn clock(secs: f64) -> String {

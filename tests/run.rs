@@ -57,6 +57,13 @@ fn quickstart_learns_and_leaves_a_loadable_checkpoint() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
     assert!(stderr.contains("step 20/20"), "{stderr}");
+    // The planner's speculate decision reaches the engine (no pin in the quickstart).
+    assert!(
+        stderr.contains("speculation for generate(policy): "),
+        "{stderr}"
+    );
+    let plan = std::fs::read_to_string(run_dir.join("plan.txt")).unwrap();
+    assert!(plan.contains(" speculate="), "{plan}");
     let m = metrics(&run_dir);
     assert_eq!(m.len(), 20);
     for (i, line) in m.iter().enumerate() {

@@ -30,6 +30,7 @@ pub use engine::{
     EngineOptions, FinishReason, Generation, Sample, generate, generate_stream, spawn_generation,
 };
 pub use error::{Error, Result};
+pub use tch::Device;
 pub use infer::{InferOptions, Rollout, logprobs, score, values};
 pub use model::{Head, LoadOptions, Model};
 pub use sampling::SamplingParams;
