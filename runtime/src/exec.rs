@@ -912,8 +912,7 @@ impl<'p> Executor<'p> {
             let mut outcome: Result<()> = Ok(());
             let mut run_chunk = |pending: &mut Vec<usize>,
                                  samples: &Vec<Option<(Sample, Rollout)>>,
-                                 stats: &mut GenStats,
-                                 generating: bool|
+                                 stats: &mut GenStats|
              -> Result<()> {
                 if pending.is_empty() || consumers.is_empty() {
                     pending.clear();
@@ -944,11 +943,10 @@ impl<'p> Executor<'p> {
                         dst[i] = Some(o);
                     }
                 }
-                let dt = t0.elapsed().as_secs_f64();
-                stats.infer_seconds += dt;
-                if generating {
-                    stats.hidden_seconds += dt;
-                }
+                let start = t0.duration_since(t_gen).as_secs_f64();
+                let end = t_gen.elapsed().as_secs_f64();
+                stats.infer_seconds += end - start;
+                stats.chunks.push((start, end));
                 pending.clear();
                 Ok(())
             };
@@ -967,7 +965,7 @@ impl<'p> Executor<'p> {
                     pending.push(slot);
                 }
                 if pending.len() >= micro
-                    && let Err(e) = run_chunk(&mut pending, &samples, &mut stats, true)
+                    && let Err(e) = run_chunk(&mut pending, &samples, &mut stats)
                 {
                     outcome = Err(e);
                     break;
@@ -977,7 +975,14 @@ impl<'p> Executor<'p> {
             let gen_seconds = handle.join().unwrap_or(0.0);
             stats.gen_seconds = gen_seconds;
             outcome?;
-            run_chunk(&mut pending, &samples, &mut stats, false)?;
+            run_chunk(&mut pending, &samples, &mut stats)?;
+            // Inference is hidden under generation only where a chunk's interval overlaps the
+            // generation thread's (which ends when it has handed over the last sample).
+            stats.hidden_seconds = stats
+                .chunks
+                .iter()
+                .map(|(a, b)| (b.min(gen_seconds) - a).max(0.0))
+                .sum();
             Ok(())
         });
         result?;
@@ -1144,6 +1149,8 @@ struct GenStats {
     infer_seconds: f64,
     /// Inference time spent while generation was still running.
     hidden_seconds: f64,
+    /// Each streamed chunk's (start, end), in seconds from the start of generation.
+    chunks: Vec<(f64, f64)>,
 }
 
 impl GenStats {

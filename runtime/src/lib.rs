@@ -30,10 +30,10 @@ pub use engine::{
     EngineOptions, FinishReason, Generation, Sample, generate, generate_stream, spawn_generation,
 };
 pub use error::{Error, Result};
-pub use tch::Device;
 pub use infer::{InferOptions, Rollout, logprobs, score, values};
 pub use model::{Head, LoadOptions, Model};
 pub use sampling::SamplingParams;
 pub use save::save_pretrained;
+pub use tch::Device;
 pub use tiny::{TinyConfig, TinyVocab, tiny};
 pub use tokenizer::{ChatMessage, SpecialTokens, Tokenizer};
