@@ -147,6 +147,9 @@ enum LossArg {
     Tokens(Tokens),
     Samples(Vec<f64>),
     Const(Const),
+    /// The trained model's own log-probabilities before its update, taken (detached) from the
+    /// training forward pass: see `Executor::reused`.
+    CurrentLogp,
 }
 
 #[derive(Debug, Clone)]
@@ -287,6 +290,9 @@ pub struct Executor<'p> {
     /// The rollout that the (first) trained model learns from, and the node of its reward.
     main_rollout: Option<NodeId>,
     reward_node: Option<NodeId>,
+    /// `logprobs` nodes of a trained model whose values are taken from that model's training
+    /// forward pass instead of a separate inference pass.
+    reused: std::collections::BTreeSet<NodeId>,
     total_steps: i64,
     first_step: i64,
 }
@@ -407,6 +413,7 @@ impl<'p> Executor<'p> {
             order,
             main_rollout,
             reward_node,
+            reused: reusable_logprobs(plan),
             total_steps,
             first_step: 0,
         };
@@ -624,6 +631,10 @@ impl<'p> Executor<'p> {
                     vals.insert(id, Val::Rollout(rollout));
                     continue;
                 }
+                Op::Logprobs { .. } if self.reused.contains(&id) => {
+                    // Filled in by the `train` that reads it (see `reusable_logprobs`).
+                    continue;
+                }
                 Op::Logprobs { model } | Op::Values { model } | Op::Score { model } => {
                     let r = rollout_of(&vals, inputs.first())?;
                     let seqs: Vec<Rollout> = r.samples.iter().map(|s| s.rollout.clone()).collect();
@@ -646,6 +657,13 @@ impl<'p> Executor<'p> {
                     for a in args {
                         resolved.push(match a {
                             Operand::Const(c) => LossArg::Const(c.clone()),
+                            Operand::Input(p)
+                                if inputs
+                                    .get(*p as usize)
+                                    .is_some_and(|n| self.reused.contains(n)) =>
+                            {
+                                LossArg::CurrentLogp
+                            }
                             Operand::Input(p) => {
                                 match inputs.get(*p as usize).and_then(|n| vals.get(n)) {
                                     Some(Val::PerToken(t)) => LossArg::Tokens(t.clone()),
@@ -688,7 +706,7 @@ impl<'p> Executor<'p> {
                         _ => return Err(Error::invalid("plan", format!("{id}: no loss"))),
                     };
                     let micro = node.micro_batch.unwrap_or(self.plan.micro_batch).max(1) as usize;
-                    let stats = self.train(
+                    let (stats, own_logp) = self.train(
                         *model as usize,
                         &r,
                         &terms,
@@ -697,6 +715,15 @@ impl<'p> Executor<'p> {
                         micro,
                         mix(seed, 0x7EA1 ^ u64::from(id.0)),
                     )?;
+                    // The reused log-probability nodes of this model on this rollout.
+                    for n in self.reused.clone() {
+                        let same = self.plan.graph.node(n).and_then(|x| x.op.model())
+                            == Some(*model)
+                            && self.plan.graph.inputs(n).first() == inputs.first();
+                        if same && let Some(rows) = &own_logp {
+                            vals.insert(n, Val::PerToken(Tokens::from_rows(rows)));
+                        }
+                    }
                     let name = self.slots[*model as usize].spec.name.clone();
                     for (k, v) in stats {
                         m.insert(format!("{name}/{k}"), v);
@@ -834,6 +861,9 @@ impl<'p> Executor<'p> {
         let temperature = f64::from(sampling.logprob_temperature());
         let consumers: Vec<NodeId> = if self.options.fuse {
             stream_consumers(self.plan, id)
+                .into_iter()
+                .filter(|c| !self.reused.contains(c))
+                .collect()
         } else {
             Vec::new()
         };
@@ -1032,12 +1062,15 @@ impl<'p> Executor<'p> {
         minibatches: i64,
         micro: usize,
         seed: u64,
-    ) -> Result<BTreeMap<String, f64>> {
+    ) -> Result<Trained> {
         let n = r.samples.len();
         let mut stats: BTreeMap<String, f64> = BTreeMap::new();
         if n == 0 {
-            return Ok(stats);
+            return Ok((stats, None));
         }
+        // The log-probabilities of the first forward pass over each sample, before any update
+        // (what a reused `logprobs` node stands for).
+        let mut own: Vec<Option<Vec<f32>>> = vec![None; n];
         let slot = &mut self.slots[model];
         let head = slot.model.head();
         let grad_clip = slot.spec.grad_clip;
@@ -1048,6 +1081,7 @@ impl<'p> Executor<'p> {
             ));
         };
         let per_mb = n.div_ceil(minibatches.max(1) as usize).max(1);
+        let start_step = opt.step;
         let mut rng = Rng::new(seed);
         let mut loss_sum = 0.0;
         let mut norm_sum = 0.0;
@@ -1078,6 +1112,21 @@ impl<'p> Executor<'p> {
                     }
                     let layout = layout_for(&lens, mb_tokens, mb.len(), r.max_new_tokens);
                     let out = train_forward(&slot.model, &seqs, r.temperature, head)?;
+                    if opt.step == start_step
+                        && let Some(lp) = &out.logp
+                    {
+                        let flat: Vec<f32> = Vec::<f32>::try_from(
+                            lp.detach().to_kind(Kind::Float).to_device(Device::Cpu),
+                        )
+                        .map_err(Error::Torch)?;
+                        let mut at = 0;
+                        for (&i, &l) in chunk.iter().zip(&lens) {
+                            if own[i].is_none() {
+                                own[i] = Some(flat[at..at + l].to_vec());
+                            }
+                            at += l;
+                        }
+                    }
                     let mut total: Option<Tensor> = None;
                     for term in terms {
                         let (l, s) = term_loss(term, &out, chunk, &layout)?;
@@ -1119,8 +1168,59 @@ impl<'p> Executor<'p> {
         if head == Head::Lm {
             stats.insert("entropy".into(), ent_tok / tokens.max(1.0));
         }
-        Ok(stats)
+        let own = own.into_iter().collect::<Option<Vec<_>>>();
+        Ok((stats, own))
     }
+}
+
+/// `logprobs` nodes that need no inference pass: on a trained model, every consumer a loss
+/// whose every consumer (directly or through `+`) is a `train` of that model on the same
+/// rollout with one epoch and one mini-batch. That `train` takes a single optimizer step, so
+/// its forward pass computes the model's log-probabilities before the update — exactly what
+/// the node stands for (TRL does the same when the update is on-policy). The values are taken,
+/// detached, from that forward pass; the node is filled in after the `train`.
+fn reusable_logprobs(plan: &Plan) -> std::collections::BTreeSet<NodeId> {
+    let g = &plan.graph;
+    let mut out = std::collections::BTreeSet::new();
+    for id in g.node_ids() {
+        let Some(Op::Logprobs { model }) = g.node(id).map(|n| &n.op) else {
+            continue;
+        };
+        let trained = plan
+            .models
+            .get(*model as usize)
+            .is_some_and(|m| m.optimizer.is_some());
+        let rollout = g.inputs(id).first().copied();
+        let consumers = g.consumers(id);
+        let trains_ok = |loss: NodeId| -> bool {
+            // Follow loss sums to the trains.
+            let mut frontier = vec![loss];
+            let mut found = false;
+            while let Some(n) = frontier.pop() {
+                for c in g.consumers(n) {
+                    match g.node(c).map(|x| &x.op) {
+                        Some(Op::LossSum { .. }) => frontier.push(c),
+                        Some(Op::Train {
+                            model: m,
+                            epochs: 1,
+                            minibatches: 1,
+                        }) if m == model && g.inputs(c).first().copied() == rollout => found = true,
+                        _ => return false,
+                    }
+                }
+            }
+            found
+        };
+        if trained
+            && !consumers.is_empty()
+            && consumers.iter().all(|c| {
+                matches!(g.node(*c).map(|x| &x.op), Some(Op::Loss { .. })) && trains_ok(*c)
+            })
+        {
+            out.insert(id);
+        }
+    }
+    out
 }
 
 /// The logprobs/values/score nodes that read a rollout directly: the consumers streamed under
@@ -1139,6 +1239,10 @@ fn stream_consumers(plan: &Plan, generate: NodeId) -> Vec<NodeId> {
         })
         .collect()
 }
+
+/// A `train`'s metrics, and its model's log-probabilities before the update per sample (for
+/// reused `logprobs` nodes).
+type Trained = (BTreeMap<String, f64>, Option<Vec<Vec<f32>>>);
 
 /// A rollout, the streamed consumers' results, and timings.
 type Generated = (Arc<RolloutData>, Vec<(NodeId, Val)>, GenStats);
@@ -1561,6 +1665,12 @@ fn token_tensor(arg: &LossArg, chunk: &[usize], lens: &Layout, device: Device) -
                 format!("a constant {c} where per-token values are needed"),
             ));
         }
+        LossArg::CurrentLogp => {
+            return Err(Error::invalid(
+                "loss",
+                "the model's own log-probabilities are resolved by the caller",
+            ));
+        }
     }
     Ok(Tensor::from_slice(&out).to_device(device))
 }
@@ -1608,6 +1718,9 @@ fn term_loss(
         let arg = a
             .get(i)
             .ok_or_else(|| Error::invalid("loss", "missing operand"))?;
+        if let LossArg::CurrentLogp = arg {
+            return Ok(need_logp()?.detach());
+        }
         token_tensor(arg, chunk, layout, dev)
     };
     match term.kind {
@@ -1677,5 +1790,48 @@ fn term_loss(
                 loss::PolicyStats::default(),
             ))
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn plan(src: &str) -> Plan {
+        let checked = braid_sema::check("t.rlhf", src, &braid_sema::NoImports);
+        assert!(!checked.has_errors(), "{:?}", checked.diagnostics);
+        braid_sema::lower_graph::lower_run(&checked.program).unwrap()
+    }
+
+    const MODELS: &str = "model policy = tiny(vocab: \"bytes\", layers: 1, hidden: 32, heads: 2) {\n  train: adamw(lr: 1e-3)\n}\nmodel critic = tiny(vocab: \"bytes\", layers: 1, hidden: 32, heads: 2) {\n  head: value\n  train: adamw(lr: 1e-3)\n}\ndataset d = synthetic::letters(count: 8)\nfn r(s: Sample) -> float { len(s.completion) }\n";
+
+    fn reused_labels(p: &Plan) -> Vec<String> {
+        reusable_logprobs(p)
+            .into_iter()
+            .map(|n| p.graph.node(n).unwrap().label.clone().unwrap_or_default())
+            .collect()
+    }
+
+    /// The policy's own log-probabilities come from its training forward pass only when the
+    /// update is a single optimizer step and nothing but the loss reads them.
+    #[test]
+    fn on_policy_logprobs_are_reused_only_when_exact() {
+        let one = plan(&format!(
+            "use std::grpo\n{MODELS}run grpo(policy, d, reward: r) {{\n  steps: 1\n  batch: 2\n  group: 2\n}}\n"
+        ));
+        assert_eq!(reused_labels(&one), vec!["old_logp".to_string()]);
+        let epochs = plan(&format!(
+            "use std::grpo\n{MODELS}run grpo(policy, d, reward: r) {{\n  steps: 1\n  batch: 2\n  group: 2\n  epochs: 2\n}}\n"
+        ));
+        assert!(reused_labels(&epochs).is_empty());
+        let minibatches = plan(&format!(
+            "use std::grpo\n{MODELS}run grpo(policy, d, reward: r) {{\n  steps: 1\n  batch: 2\n  group: 2\n  minibatches: 2\n}}\n"
+        ));
+        assert!(reused_labels(&minibatches).is_empty());
+        // PPO shapes rewards with old_logp (a kernel reads it): computed by inference.
+        let ppo = plan(&format!(
+            "use std::ppo\n{MODELS}run ppo_fn(policy, d, reward: r, critic: critic) {{\n  steps: 1\n  batch: 2\n  minibatches: 1\n}}\n"
+        ));
+        assert!(reused_labels(&ppo).is_empty());
     }
 }
