@@ -15,6 +15,24 @@ fn braid(args: &[&str]) -> Output {
         .expect("braid runs")
 }
 
+/// Asserts that a command succeeded, showing its stderr otherwise.
+fn ok(out: &Output) {
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// A JSON array of numbers.
+fn numbers(v: &serde_json::Value) -> Vec<f64> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap())
+        .collect()
+}
+
 fn tmp(name: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("braid-run-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
@@ -105,11 +123,7 @@ fn quickstart_learns_and_leaves_a_loadable_checkpoint() {
         "8",
         "--greedy",
     ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    ok(&out);
     // TensorBoard events and the HTML report.
     let tb: Vec<_> = std::fs::read_dir(run_dir.join("tensorboard"))
         .unwrap()
@@ -118,11 +132,7 @@ fn quickstart_learns_and_leaves_a_loadable_checkpoint() {
     assert_eq!(tb.len(), 1);
     assert!(std::fs::metadata(&tb[0]).unwrap().len() > 20 * 100);
     let out = braid(&["report", run_dir.to_str().unwrap()]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    ok(&out);
     let html = std::fs::read_to_string(run_dir.join("report.html")).unwrap();
     assert!(html.contains("<title>reward_mean</title>") && html.contains("stage timeline"));
     assert!(html.matches("<svg").count() > 10);
@@ -156,11 +166,7 @@ fn ppo_with_policy_critic_reference_and_reward_model_learns() {
         "--checkpoint-every",
         "0",
     ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    ok(&out);
     let m = metrics(&run_dir);
     let n = m.len();
     assert!(n >= 40, "{n} steps");
@@ -240,11 +246,7 @@ fn a_run_killed_mid_step_resumes_without_losing_a_completed_step() {
         "--run-dir",
         full.to_str().unwrap(),
     ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    ok(&out);
     let want = comparable(&metrics(&full));
     assert_eq!(want.len(), 10);
 
@@ -375,11 +377,7 @@ fn a_speculate_pin_changes_speed_not_results() {
     )
     .unwrap();
     let out = braid(&["check", pinned.to_str().unwrap()]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    ok(&out);
     let mut runs = Vec::new();
     for (name, file) in [("plain", &plain), ("pinned", &pinned)] {
         let run_dir = dir.join(name);
@@ -389,11 +387,7 @@ fn a_speculate_pin_changes_speed_not_results() {
             "--run-dir",
             run_dir.to_str().unwrap(),
         ]);
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        ok(&out);
         runs.push(comparable(&metrics(&run_dir)));
     }
     let plan = std::fs::read_to_string(dir.join("pinned/plan.txt")).unwrap();
@@ -506,11 +500,7 @@ fn every_stdlib_algorithm_runs_as_its_pipeline() {
                 "--gen-lengths",
                 lengths.to_str().unwrap(),
             ]);
-            assert!(
-                out.status.success(),
-                "{}",
-                String::from_utf8_lossy(&out.stderr)
-            );
+            ok(&out);
         }
     }
     let _ = std::fs::remove_dir_all(&dir);
@@ -550,11 +540,7 @@ fn the_trained_policy_loads_in_transformers() {
         "--run-dir",
         run_dir.to_str().unwrap(),
     ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    ok(&out);
     let model = run_dir.join("checkpoints/step-000003/models/policy");
     let out = braid(&[
         "generate",
@@ -568,25 +554,14 @@ fn the_trained_policy_loads_in_transformers() {
         "--format",
         "json",
     ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    ok(&out);
     let sample: serde_json::Value =
         serde_json::from_str(String::from_utf8_lossy(&out.stdout).lines().next().unwrap()).unwrap();
-    let completion: Vec<i64> = sample["token_ids"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v.as_i64().unwrap())
+    let completion: Vec<i64> = numbers(&sample["token_ids"])
+        .into_iter()
+        .map(|x| x as i64)
         .collect();
-    let braid_lp: Vec<f64> = sample["logprobs"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v.as_f64().unwrap())
-        .collect();
+    let braid_lp = numbers(&sample["logprobs"]);
     // BOS, then the prompt's bytes (the byte tokenizer).
     let mut ids: Vec<i64> = vec![256];
     ids.extend("abc ".bytes().map(i64::from));
@@ -601,19 +576,10 @@ fn the_trained_policy_loads_in_transformers() {
         cmd.env("PYTHONPATH", deps);
     }
     let out = cmd.output().unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    ok(&out);
     let v: serde_json::Value =
         serde_json::from_str(String::from_utf8_lossy(&out.stdout).lines().next().unwrap()).unwrap();
-    let logits: Vec<f64> = v["logits"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_f64().unwrap())
-        .collect();
+    let logits = numbers(&v["logits"]);
     let vocab = logits.len() / ids.len();
     assert_eq!(vocab, 259);
     for (i, &tok) in completion.iter().enumerate() {

@@ -72,23 +72,17 @@ impl Dataset {
     /// The record drawn at cursor position `pos`.
     pub fn at(&self, pos: u64) -> &Record {
         let n = self.records.len() as u64;
-        let epoch = pos / n;
         let i = (pos % n) as usize;
         if !self.shuffle {
             return &self.records[i];
         }
-        let order = self.order(epoch);
-        &self.records[order[i]]
+        &self.records[self.order(pos / n)[i]]
     }
 
     /// The permutation of epoch `epoch` (Fisher–Yates from the dataset's seed and the epoch).
     fn order(&self, epoch: u64) -> Vec<usize> {
         let mut idx: Vec<usize> = (0..self.records.len()).collect();
-        let mut rng = Rng::new(self.seed ^ epoch.wrapping_mul(0x9E37_79B9_7F4A_7C15));
-        for i in (1..idx.len()).rev() {
-            let j = (rng.next_u64() % (i as u64 + 1)) as usize;
-            idx.swap(i, j);
-        }
+        Rng::new(self.seed ^ epoch.wrapping_mul(0x9E37_79B9_7F4A_7C15)).shuffle(&mut idx);
         idx
     }
 
@@ -106,7 +100,23 @@ impl Dataset {
                 ),
             ));
         }
-        Ok((pos..pos + n).map(|p| self.at(p).clone()).collect())
+        // One permutation per epoch the draw touches, not one per record.
+        let len = self.records.len() as u64;
+        let mut order: Option<(u64, Vec<usize>)> = None;
+        let mut out = Vec::with_capacity(n as usize);
+        for p in pos..pos + n {
+            let (epoch, i) = (p / len, (p % len) as usize);
+            let r = if self.shuffle {
+                if order.as_ref().is_none_or(|(e, _)| *e != epoch) {
+                    order = Some((epoch, self.order(epoch)));
+                }
+                order.as_ref().map_or(i, |(_, o)| o[i])
+            } else {
+                i
+            };
+            out.push(self.records[r].clone());
+        }
+        Ok(out)
     }
 }
 
@@ -334,6 +344,10 @@ mod tests {
             all.sort();
             assert_eq!(seen, all);
         }
+        // A draw across an epoch boundary gives what `at` gives record by record.
+        let drawn = d.draw(7, 6).unwrap();
+        let one_by_one: Vec<Record> = (7..13).map(|p| d.at(p).clone()).collect();
+        assert_eq!(drawn, one_by_one);
         // Two epochs differ in order (with overwhelming probability for this seed).
         let e0: Vec<_> = (0..10).map(|i| d.at(i).clone()).collect();
         let e1: Vec<_> = (10..20).map(|i| d.at(i).clone()).collect();

@@ -38,7 +38,7 @@ use crate::infer::{self, InferOptions, Rollout};
 use crate::loss::{self, Agg, Layout};
 use crate::model::{Head, LoadOptions, Model};
 use crate::optim::AdamW;
-use crate::rng::Rng;
+use crate::rng::{Rng, derive};
 use crate::sampling::SamplingParams;
 use crate::spec::SpeculateMode;
 use crate::tiny::{TinyConfig, TinyVocab, tiny};
@@ -171,14 +171,6 @@ enum Val {
     Unit,
 }
 
-/// SplitMix64 finaliser: derives independent seeds.
-fn mix(a: u64, b: u64) -> u64 {
-    let mut z = a ^ b.wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
-
 fn head_of(spec: &ModelSpec) -> Head {
     match spec.head.as_str() {
         "value" => Head::Value,
@@ -187,13 +179,13 @@ fn head_of(spec: &ModelSpec) -> Head {
     }
 }
 
-fn kind_of(spec: &ModelSpec, device: Device) -> Option<Kind> {
+fn kind_of(spec: &ModelSpec, device: Device) -> Kind {
     match spec.dtype.as_deref() {
-        Some("bf16") => Some(Kind::BFloat16),
-        Some("f16") => Some(Kind::Half),
-        Some(_) => Some(Kind::Float),
-        None if device == Device::Cpu => Some(Kind::Float),
-        None => Some(Kind::BFloat16),
+        Some("bf16") => Kind::BFloat16,
+        Some("f16") => Kind::Half,
+        Some(_) => Kind::Float,
+        None if device == Device::Cpu => Kind::Float,
+        None => Kind::BFloat16,
     }
 }
 
@@ -246,7 +238,7 @@ fn build_model(
                 &path,
                 &LoadOptions {
                     head,
-                    dtype: kind_of(root, device),
+                    dtype: Some(kind_of(root, device)),
                     device,
                 },
             )?;
@@ -313,7 +305,10 @@ impl<'p> Executor<'p> {
         }
         // Optimizer steps per train node and per model, for the schedules.
         let mut opt_steps: BTreeMap<u32, i64> = BTreeMap::new();
-        let mut streamed_from: BTreeMap<u32, bool> = BTreeMap::new();
+        let reused = reusable_logprobs(plan);
+        // Models that generate while a streamed consumer runs on the same model: they need a
+        // replica to generate on.
+        let mut needs_replica: std::collections::BTreeSet<u32> = Default::default();
         for id in &order {
             let Some(node) = plan.graph.node(*id) else {
                 continue;
@@ -328,9 +323,11 @@ impl<'p> Executor<'p> {
             }
             if let Op::Generate { model, .. } = &node.op
                 && options.fuse
-                && !stream_consumers(plan, *id).is_empty()
+                && streamed(plan, *id, &reused)
+                    .iter()
+                    .any(|c| plan.graph.node(*c).and_then(|n| n.op.model()) == Some(*model))
             {
-                streamed_from.insert(*model, true);
+                needs_replica.insert(*model);
             }
         }
         let mut slots = Vec::new();
@@ -413,11 +410,11 @@ impl<'p> Executor<'p> {
             order,
             main_rollout,
             reward_node,
-            reused: reusable_logprobs(plan),
+            reused,
             total_steps,
             first_step: 0,
         };
-        for (model, _) in streamed_from {
+        for model in needs_replica {
             let i = model as usize;
             if ex.slots[i].opt.is_some() {
                 let (mut replica, _) =
@@ -453,7 +450,7 @@ impl<'p> Executor<'p> {
                 "the checkpoint was made by a different program or different run settings; resume with the program that made it",
             ));
         }
-        for (i, slot) in self.slots.iter_mut().enumerate() {
+        for slot in self.slots.iter_mut() {
             let Some(opt) = slot.opt.as_mut() else {
                 continue;
             };
@@ -474,7 +471,6 @@ impl<'p> Executor<'p> {
             if let Some(r) = slot.replica.as_mut() {
                 copy_weights(r, &slot.model)?;
             }
-            let _ = i;
         }
         for (i, d) in self.plan.datasets.iter().enumerate() {
             self.cursors[i] = state.cursors.get(&d.name).copied().unwrap_or(0);
@@ -590,7 +586,7 @@ impl<'p> Executor<'p> {
         let mut m: BTreeMap<String, f64> = BTreeMap::new();
         let mut time: BTreeMap<&'static str, f64> = BTreeMap::new();
         let mut lengths = Vec::new();
-        let seed = mix(self.plan.seed as u64, step as u64);
+        let seed = derive(self.plan.seed as u64, step as u64);
         let order = self.order.clone();
         for id in order {
             if vals.contains_key(&id) {
@@ -613,7 +609,7 @@ impl<'p> Executor<'p> {
                 }
                 Op::Generate { .. } => {
                     let (rollout, streamed, stats) =
-                        self.generate(id, &inputs, &vals, mix(seed, u64::from(id.0)))?;
+                        self.generate(id, &inputs, &vals, derive(seed, u64::from(id.0)))?;
                     *time.entry("generate").or_default() += stats.gen_seconds;
                     *time.entry("infer").or_default() += stats.infer_seconds;
                     m.insert("time/infer_hidden".into(), stats.hidden_share());
@@ -713,7 +709,7 @@ impl<'p> Executor<'p> {
                         *epochs,
                         *minibatches,
                         micro,
-                        mix(seed, 0x7EA1 ^ u64::from(id.0)),
+                        derive(seed, 0x7EA1 ^ u64::from(id.0)),
                     )?;
                     // The reused log-probability nodes of this model on this rollout.
                     for n in self.reused.clone() {
@@ -798,7 +794,10 @@ impl<'p> Executor<'p> {
             micro_batch: micro.unwrap_or(self.plan.micro_batch).max(1) as usize,
             temperature: temperature as f32,
         };
-        infer_with(&slot.model, op, seqs, &opts)
+        Ok(collect_rows(
+            op,
+            infer_per_sample(&slot.model, op, seqs, &opts)?,
+        ))
     }
 
     /// Generates a rollout; the nodes that read it directly run on micro-batches of finished
@@ -860,10 +859,7 @@ impl<'p> Executor<'p> {
         };
         let temperature = f64::from(sampling.logprob_temperature());
         let consumers: Vec<NodeId> = if self.options.fuse {
-            stream_consumers(self.plan, id)
-                .into_iter()
-                .filter(|c| !self.reused.contains(c))
-                .collect()
+            streamed(self.plan, id, &self.reused)
         } else {
             Vec::new()
         };
@@ -901,6 +897,7 @@ impl<'p> Executor<'p> {
             } = s;
             if i == model {
                 tok = Some(tokenizer);
+                // A replica exists only when a streamed consumer runs on this model.
                 match (replica, consumers.is_empty()) {
                     (Some(r), false) => {
                         gen_model = Some(r);
@@ -1045,7 +1042,10 @@ impl<'p> Executor<'p> {
                     format!("{c}: missing streamed results"),
                 ));
             }
-            streamed.push((c, collect_rows(rows)));
+            let Some(node) = self.plan.graph.node(c) else {
+                continue;
+            };
+            streamed.push((c, collect_rows(&node.op, rows)));
         }
         Ok((rollout, streamed, stats))
     }
@@ -1092,10 +1092,7 @@ impl<'p> Executor<'p> {
         let mut lr = 0.0;
         for _ in 0..epochs.max(1) {
             let mut perm: Vec<usize> = (0..n).collect();
-            for i in (1..n).rev() {
-                let j = (rng.next_u64() % (i as u64 + 1)) as usize;
-                perm.swap(i, j);
-            }
+            rng.shuffle(&mut perm);
             for mb in perm.chunks(per_mb) {
                 let mb_tokens: usize = mb
                     .iter()
@@ -1223,19 +1220,25 @@ fn reusable_logprobs(plan: &Plan) -> std::collections::BTreeSet<NodeId> {
     out
 }
 
-/// The logprobs/values/score nodes that read a rollout directly: the consumers streamed under
-/// its generation.
-fn stream_consumers(plan: &Plan, generate: NodeId) -> Vec<NodeId> {
+/// The logprobs/values/score nodes that read a rollout directly and need an inference pass
+/// (not reused from training): the consumers streamed under its generation.
+fn streamed(
+    plan: &Plan,
+    generate: NodeId,
+    reused: &std::collections::BTreeSet<NodeId>,
+) -> Vec<NodeId> {
     plan.graph
         .consumers(generate)
         .into_iter()
         .filter(|c| {
-            plan.graph.node(*c).is_some_and(|n| {
-                matches!(
-                    n.op,
-                    Op::Logprobs { .. } | Op::Values { .. } | Op::Score { .. }
-                )
-            }) && plan.graph.inputs(*c).first() == Some(&generate)
+            !reused.contains(c)
+                && plan.graph.node(*c).is_some_and(|n| {
+                    matches!(
+                        n.op,
+                        Op::Logprobs { .. } | Op::Values { .. } | Op::Score { .. }
+                    )
+                })
+                && plan.graph.inputs(*c).first() == Some(&generate)
         })
         .collect()
 }
@@ -1301,41 +1304,27 @@ fn infer_per_sample(
     })
 }
 
-fn collect_rows(rows: Vec<PerSampleOut>) -> Val {
-    if rows.iter().all(|r| matches!(r, PerSampleOut::Scalar(_))) {
-        Val::PerSample(
+/// An inference node's value from its per-sample results: one number per sample for `score`,
+/// per-token values otherwise.
+fn collect_rows(op: &Op, rows: Vec<PerSampleOut>) -> Val {
+    if let Op::Score { .. } = op {
+        return Val::PerSample(
             rows.into_iter()
                 .map(|r| match r {
                     PerSampleOut::Scalar(x) => f64::from(x),
                     PerSampleOut::Tokens(_) => 0.0,
                 })
                 .collect(),
-        )
-    } else {
-        let rows: Vec<Vec<f32>> = rows
-            .into_iter()
-            .map(|r| match r {
-                PerSampleOut::Tokens(t) => t,
-                PerSampleOut::Scalar(x) => vec![x],
-            })
-            .collect();
-        Val::PerToken(Tokens::from_rows(&rows))
+        );
     }
-}
-
-fn infer_with(model: &Model, op: &Op, seqs: &[Rollout], opts: &InferOptions) -> Result<Val> {
-    let rows = infer_per_sample(model, op, seqs, opts)?;
-    Ok(match op {
-        Op::Score { .. } => Val::PerSample(
-            rows.into_iter()
-                .map(|r| match r {
-                    PerSampleOut::Scalar(x) => f64::from(x),
-                    PerSampleOut::Tokens(_) => 0.0,
-                })
-                .collect(),
-        ),
-        _ => collect_rows(rows),
-    })
+    let rows: Vec<Vec<f32>> = rows
+        .into_iter()
+        .map(|r| match r {
+            PerSampleOut::Tokens(t) => t,
+            PerSampleOut::Scalar(x) => vec![x],
+        })
+        .collect();
+    Val::PerToken(Tokens::from_rows(&rows))
 }
 
 fn rollout_of(vals: &BTreeMap<NodeId, Val>, id: Option<&NodeId>) -> Result<Arc<RolloutData>> {
@@ -1634,7 +1623,6 @@ fn layout_for(lens: &[usize], mb_tokens: usize, mb_samples: usize, max_new: i64)
     Layout {
         sample_of: Tensor::from_slice(&sample_of),
         inv_len: Tensor::from_slice(&inv).to_kind(Kind::Float),
-        samples: lens.len(),
         minibatch_tokens: mb_tokens as f64,
         minibatch_samples: mb_samples as f64,
         max_new_tokens: max_new as f64,
@@ -1644,7 +1632,6 @@ fn layout_for(lens: &[usize], mb_tokens: usize, mb_samples: usize, max_new: i64)
 /// A per-token operand for the samples `chunk` (indices into the rollout): per-token values as
 /// they are, per-sample values broadcast over the sample's tokens.
 fn token_tensor(arg: &LossArg, chunk: &[usize], lens: &Layout, device: Device) -> Result<Tensor> {
-    let _ = lens.samples;
     let mut out: Vec<f32> = Vec::new();
     match arg {
         LossArg::Tokens(t) => {

@@ -36,8 +36,6 @@ pub struct Layout {
     pub sample_of: Tensor,
     /// For each token, 1 / (its sample's token count).
     pub inv_len: Tensor,
-    /// Samples in the micro-batch.
-    pub samples: usize,
     /// Tokens in the whole mini-batch.
     pub minibatch_tokens: f64,
     /// Samples in the whole mini-batch.
@@ -186,7 +184,6 @@ mod tests {
         let layout = Layout {
             sample_of: Tensor::from_slice(&[0i64, 1, 1, 1]),
             inv_len: t(&[1.0, 1.0 / 3.0, 1.0 / 3.0, 1.0 / 3.0]),
-            samples: 2,
             minibatch_tokens: 4.0,
             minibatch_samples: 2.0,
             max_new_tokens: 8.0,

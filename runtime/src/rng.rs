@@ -15,6 +15,12 @@ fn mix(mut z: u64) -> u64 {
     z ^ (z >> 31)
 }
 
+/// A seed derived from `seed` and `stream` (a step, a node): different streams give
+/// independent seeds.
+pub fn derive(seed: u64, stream: u64) -> u64 {
+    mix(seed ^ stream.wrapping_mul(0x9e37_79b9_7f4a_7c15))
+}
+
 impl Rng {
     /// A generator seeded from `seed`.
     pub fn new(seed: u64) -> Self {
@@ -41,6 +47,14 @@ impl Rng {
     /// A uniform number in [0, 1).
     pub fn uniform(&mut self) -> f64 {
         (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
+    }
+
+    /// Shuffles `v` in place (Fisher–Yates).
+    pub fn shuffle<T>(&mut self, v: &mut [T]) {
+        for i in (1..v.len()).rev() {
+            let j = (self.next_u64() % (i as u64 + 1)) as usize;
+            v.swap(i, j);
+        }
     }
 
     /// A standard normal number (Box–Muller).

@@ -81,7 +81,7 @@ impl SamplingParams {
     }
 }
 
-fn log_sum_exp(xs: &[f32]) -> f32 {
+pub(crate) fn log_sum_exp(xs: &[f32]) -> f32 {
     let max = xs.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     if !max.is_finite() {
         return max;
@@ -90,53 +90,88 @@ fn log_sum_exp(xs: &[f32]) -> f32 {
     max + sum.ln() as f32
 }
 
+/// The first maximum of a row of logits (greedy decoding's choice).
+pub(crate) fn argmax(logits: &[f32]) -> usize {
+    let mut best = 0;
+    for (i, &x) in logits.iter().enumerate() {
+        if x > logits[best] {
+            best = i;
+        }
+    }
+    best
+}
+
+/// The tokens sampling may pick from one row of logits: temperature, then top-k, then top-p,
+/// ties broken by id, in the order `sample_token` walks them.
+pub(crate) struct Candidates {
+    scaled: Vec<f32>,
+    lse: f32,
+    pub(crate) idx: Vec<usize>,
+}
+
+impl Candidates {
+    pub(crate) fn new(logits: &[f32], params: &SamplingParams) -> Candidates {
+        let t = params.temperature;
+        let scaled: Vec<f32> = logits.iter().map(|&x| x / t).collect();
+        let lse = log_sum_exp(&scaled);
+        let mut c = Candidates {
+            idx: (0..scaled.len()).collect(),
+            scaled,
+            lse,
+        };
+        let mut idx = std::mem::take(&mut c.idx);
+        // Most likely first; ties broken by id so the order is a total order.
+        let by_prob = |a: &usize, b: &usize| c.scaled[*b].total_cmp(&c.scaled[*a]).then(a.cmp(b));
+        if params.top_k > 0 && params.top_k < idx.len() {
+            idx.select_nth_unstable_by(params.top_k - 1, by_prob);
+            idx.truncate(params.top_k);
+        }
+        if params.top_p < 1.0 {
+            idx.sort_unstable_by(by_prob);
+            let mass: f64 = idx.iter().map(|&i| c.prob(i)).sum();
+            let mut cum = 0.0;
+            let mut keep = idx.len();
+            for (n, &i) in idx.iter().enumerate() {
+                cum += c.prob(i);
+                if cum >= f64::from(params.top_p) * mass {
+                    keep = n + 1;
+                    break;
+                }
+            }
+            idx.truncate(keep);
+        }
+        c.idx = idx;
+        c
+    }
+
+    /// Probability of token `i` under the temperature-scaled softmax (before truncation).
+    pub(crate) fn prob(&self, i: usize) -> f64 {
+        f64::from(self.scaled[i] - self.lse).exp()
+    }
+
+    /// The candidates' total probability (what truncation renormalises by).
+    pub(crate) fn mass(&self) -> f64 {
+        self.idx.iter().map(|&i| self.prob(i)).sum()
+    }
+}
+
 /// Picks a token from one row of logits; returns it and its log-probability.
 pub fn sample_token(logits: &[f32], params: &SamplingParams, rng: &mut Rng) -> (i64, f32) {
     if params.greedy {
-        let mut best = 0;
-        for (i, &x) in logits.iter().enumerate() {
-            if x > logits[best] {
-                best = i;
-            }
-        }
+        let best = argmax(logits);
         return (best as i64, logits[best] - log_sum_exp(logits));
     }
-    let t = params.temperature;
-    let scaled: Vec<f32> = logits.iter().map(|&x| x / t).collect();
-    let lse = log_sum_exp(&scaled);
-    let prob = |i: usize| f64::from(scaled[i] - lse).exp();
-    // Most likely first; ties broken by id so the order is a total order.
-    let by_prob = |a: &usize, b: &usize| scaled[*b].total_cmp(&scaled[*a]).then(a.cmp(b));
-    let mut idx: Vec<usize> = (0..scaled.len()).collect();
-    if params.top_k > 0 && params.top_k < idx.len() {
-        idx.select_nth_unstable_by(params.top_k - 1, by_prob);
-        idx.truncate(params.top_k);
-    }
-    if params.top_p < 1.0 {
-        idx.sort_unstable_by(by_prob);
-        let mass: f64 = idx.iter().map(|&i| prob(i)).sum();
-        let mut cum = 0.0;
-        let mut keep = idx.len();
-        for (n, &i) in idx.iter().enumerate() {
-            cum += prob(i);
-            if cum >= f64::from(params.top_p) * mass {
-                keep = n + 1;
-                break;
-            }
-        }
-        idx.truncate(keep);
-    }
-    let total: f64 = idx.iter().map(|&i| prob(i)).sum();
-    let mut u = rng.uniform() * total;
-    let mut chosen = idx.last().copied().unwrap_or(0);
-    for &i in &idx {
-        u -= prob(i);
+    let c = Candidates::new(logits, params);
+    let mut u = rng.uniform() * c.mass();
+    let mut chosen = c.idx.last().copied().unwrap_or(0);
+    for &i in &c.idx {
+        u -= c.prob(i);
         if u < 0.0 {
             chosen = i;
             break;
         }
     }
-    (chosen as i64, scaled[chosen] - lse)
+    (chosen as i64, c.scaled[chosen] - c.lse)
 }
 
 #[cfg(test)]

@@ -42,7 +42,7 @@ use std::path::{Path, PathBuf};
 use crate::error::{Error, Result};
 use crate::model::{Head, LoadOptions, Model};
 use crate::rng::Rng;
-use crate::sampling::{SamplingParams, sample_token};
+use crate::sampling::{Candidates, SamplingParams, argmax, log_sum_exp, sample_token};
 use crate::tokenizer::Tokenizer;
 
 /// Draft length of `ngram` without `:N`.
@@ -405,15 +405,6 @@ pub fn choose_draft_len(
 // ---------------------------------------------------------------------------------------------
 // Verification.
 
-fn log_sum_exp(xs: &[f32]) -> f32 {
-    let max = xs.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    if !max.is_finite() {
-        return max;
-    }
-    let sum: f64 = xs.iter().map(|&x| f64::from(x - max).exp()).sum();
-    max + sum.ln() as f32
-}
-
 /// The distribution `sample_token` draws from for these logits (temperature, then top-k,
 /// then top-p, ties broken by id), as probabilities over the vocabulary; a point mass on the
 /// first maximum when greedy.
@@ -423,42 +414,13 @@ pub fn distribution(logits: &[f32], params: &SamplingParams) -> Vec<f64> {
         return out;
     }
     if params.greedy {
-        let mut best = 0;
-        for (i, &x) in logits.iter().enumerate() {
-            if x > logits[best] {
-                best = i;
-            }
-        }
-        out[best] = 1.0;
+        out[argmax(logits)] = 1.0;
         return out;
     }
-    let t = params.temperature;
-    let scaled: Vec<f32> = logits.iter().map(|&x| x / t).collect();
-    let lse = log_sum_exp(&scaled);
-    let prob = |i: usize| f64::from(scaled[i] - lse).exp();
-    let by_prob = |a: &usize, b: &usize| scaled[*b].total_cmp(&scaled[*a]).then(a.cmp(b));
-    let mut idx: Vec<usize> = (0..scaled.len()).collect();
-    if params.top_k > 0 && params.top_k < idx.len() {
-        idx.select_nth_unstable_by(params.top_k - 1, by_prob);
-        idx.truncate(params.top_k);
-    }
-    if params.top_p < 1.0 {
-        idx.sort_unstable_by(by_prob);
-        let mass: f64 = idx.iter().map(|&i| prob(i)).sum();
-        let mut cum = 0.0;
-        let mut keep = idx.len();
-        for (n, &i) in idx.iter().enumerate() {
-            cum += prob(i);
-            if cum >= f64::from(params.top_p) * mass {
-                keep = n + 1;
-                break;
-            }
-        }
-        idx.truncate(keep);
-    }
-    let total: f64 = idx.iter().map(|&i| prob(i)).sum();
-    for &i in &idx {
-        out[i] = prob(i) / total.max(f64::MIN_POSITIVE);
+    let c = Candidates::new(logits, params);
+    let total = c.mass();
+    for &i in &c.idx {
+        out[i] = c.prob(i) / total.max(f64::MIN_POSITIVE);
     }
     out
 }

@@ -47,7 +47,6 @@ pub fn lower_run(program: &Program) -> Result<g::Plan, LowerError> {
     };
     let mut cx = Cx {
         program,
-        run,
         pipeline,
         graph: TaskGraph::new(),
         env: BTreeMap::new(),
@@ -129,7 +128,7 @@ pub fn lower_run(program: &Program) -> Result<g::Plan, LowerError> {
         }
     };
     cx.version_edges();
-    let micro = cx.micro_batches();
+    cx.micro_batch_pins();
     cx.speculate_pins()?;
     if let Err(e) = cx.graph.verify() {
         return err(format!("internal: the lowered graph is malformed: {e}"));
@@ -147,7 +146,7 @@ pub fn lower_run(program: &Program) -> Result<g::Plan, LowerError> {
             .iter()
             .map(|(k, v)| (k.clone(), to_const(v)))
             .collect(),
-        micro_batch: micro,
+        micro_batch: DEFAULT_MICRO_BATCH,
     })
 }
 
@@ -183,7 +182,6 @@ fn data_ty(t: &Ty) -> Option<DataTy> {
 
 struct Cx<'p> {
     program: &'p Program,
-    run: &'p Run,
     pipeline: &'p Pipeline,
     graph: TaskGraph,
     env: BTreeMap<LocalId, Lv>,
@@ -602,8 +600,7 @@ impl Cx<'_> {
         let Some(func) = self.program.fns.get(f.0 as usize) else {
             return err(format!("no function #{}", f.0));
         };
-        // A call on constants only is folded by the checker's rules? No: evaluate it as a
-        // kernel needs a rollout; a scalar-only call has none.
+        // A kernel runs over a rollout's samples; a call on constants alone has none.
         let r = match e.ty.rollout() {
             Some(_) => self.rollout_node(&e.ty)?,
             None => return err(format!("`{}` computes no per-sample value here", func.name)),
@@ -688,10 +685,10 @@ impl Cx<'_> {
         }
     }
 
-    /// Applies `micro_batch` pins of the schedule to their calls; returns the default.
-    fn micro_batches(&mut self) -> i64 {
+    /// Applies `micro_batch` pins of the schedule to their calls.
+    fn micro_batch_pins(&mut self) {
         let Some(schedule) = &self.program.schedule else {
-            return DEFAULT_MICRO_BATCH;
+            return;
         };
         let names = self.slot_names();
         for pin in &schedule.pins {
@@ -705,7 +702,6 @@ impl Cx<'_> {
                 }
             }
         }
-        DEFAULT_MICRO_BATCH
     }
 
     /// Applies `speculate` pins to their `generate` calls. A draft model must be a Hugging Face
@@ -772,7 +768,6 @@ impl Cx<'_> {
                 v.push(local.name.clone());
             }
         }
-        let _ = self.run;
         names
     }
 }
