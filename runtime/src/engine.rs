@@ -134,7 +134,8 @@ struct Speculator {
     /// `Some(k)`: always draft `k` tokens; `None`: choose per step, up to `max_len`.
     fixed: Option<usize>,
     max_len: usize,
-    /// Seconds of a step (without the draft model's passes) by tokens verified.
+    /// Seconds of a step (without the draft model's passes) by tokens verified; starts from
+    /// what earlier requests measured with the same model (`Model::step_costs`).
     target_cost: CostModel,
     /// Seconds of one draft-model pass by tokens fed.
     draft_cost: CostModel,
@@ -179,7 +180,7 @@ impl Speculator {
             drafter,
             fixed,
             max_len: fixed.unwrap_or(max_len),
-            target_cost: CostModel::default(),
+            target_cost: model.step_costs(),
             draft_cost: CostModel::default(),
         }))
     }
@@ -681,10 +682,11 @@ impl Generation<'_> {
                     }
                 }
             }
-            let secs = start.elapsed().as_secs_f64() - draft_secs;
-            sp.target_cost.observe(rows * t, secs);
+            sp.target_cost
+                .observe(rows * t, start.elapsed().as_secs_f64() - draft_secs);
         }
         record.secs = start.elapsed().as_secs_f64();
+        self.model.observe_step(rows * t, record.secs - draft_secs);
         self.steps.push(record);
         Ok(())
     }
@@ -728,6 +730,7 @@ impl Generation<'_> {
                     .zip(&available)
                     .map(|(r, &a)| RowOutlook {
                         alpha: r.acceptance.rate(),
+                        alpha_hi: r.acceptance.optimistic(),
                         available: a,
                     })
                     .collect();

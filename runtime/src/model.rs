@@ -19,6 +19,7 @@ use crate::cache::KvCache;
 use crate::config::{Activation, Arch, ModelConfig, RopeScaling};
 use crate::error::{Error, Result};
 use crate::rng::Rng;
+use crate::spec::CostModel;
 use crate::weights::WeightFiles;
 
 /// What a model computes on top of its final hidden states.
@@ -137,6 +138,10 @@ pub struct Model {
     device: Device,
     /// Where the weights came from (for error messages); `tiny` for generated models.
     source: PathBuf,
+    /// Measured seconds of a decode step by tokens processed, kept across generation requests
+    /// so that speculative decoding's policy does not re-learn them every call (an RLHF run
+    /// generates with the same model every iteration).
+    step_costs: std::sync::Mutex<CostModel>,
 }
 
 /// Collects parameters while the model is built, so that they can be filled afterwards.
@@ -463,6 +468,7 @@ impl Model {
             kind,
             device,
             source,
+            step_costs: std::sync::Mutex::new(CostModel::default()),
         })
     }
 
@@ -499,6 +505,21 @@ impl Model {
     /// Where the weights came from (a directory, or `tiny`).
     pub fn source(&self) -> &Path {
         &self.source
+    }
+
+    /// The decode-step costs measured so far with this model (see `CostModel`).
+    pub(crate) fn step_costs(&self) -> CostModel {
+        self.step_costs
+            .lock()
+            .map(|c| c.clone())
+            .unwrap_or_default()
+    }
+
+    /// Records a decode step over `tokens` tokens that took `secs`.
+    pub(crate) fn observe_step(&self, tokens: usize, secs: f64) {
+        if let Ok(mut c) = self.step_costs.lock() {
+            c.observe(tokens, secs);
+        }
     }
 
     /// An empty KV cache with `rows` rows for this model.

@@ -248,6 +248,16 @@ impl Acceptance {
             + if accepted < drafted { 1.0 } else { 0.0 };
     }
 
+    /// An optimistic estimate: the rate plus one standard deviation of a Beta posterior with
+    /// these counts. A sample that has not been verified lately (few counts) gets a high
+    /// value, so the policy probes it with a short draft instead of trusting the prior forever
+    /// once the step costs are known (acceptance is only learned by drafting).
+    pub fn optimistic(&self) -> f64 {
+        let m = self.rate();
+        let n = self.trials + PRIOR_WEIGHT;
+        (m + (m * (1.0 - m) / (n + 1.0)).sqrt()).min(1.0)
+    }
+
     /// A step passed in which the sample could have speculated but did not.
     pub fn idle(&mut self) {
         self.accepted *= IDLE_DECAY;
@@ -329,6 +339,8 @@ impl CostModel {
 pub struct RowOutlook {
     /// Estimated acceptance rate.
     pub alpha: f64,
+    /// An optimistic acceptance rate (`Acceptance::optimistic`), for probing.
+    pub alpha_hi: f64,
     /// Most tokens the row can draft this step (0: none available).
     pub available: usize,
 }
@@ -339,12 +351,18 @@ const EXPLORE_MARGIN: f64 = 1.1;
 /// How much better than plain decoding speculation must look to be chosen (measurements on a
 /// shared machine are noisy).
 const MIN_GAIN: f64 = 1.03;
+/// Longest draft of a probe: a step taken because optimistic acceptance rates make drafting
+/// look worthwhile when the estimates do not. Short, so a probe of text that does not repeat
+/// costs little.
+const PROBE_MAX: usize = 2;
 
 /// Chooses the batch's draft length, up to `max_len`: the one with the most expected tokens
 /// per second under the measured costs (`target` per verification step, `draft` per drafting
 /// pass of the draft model, `None` for the n-gram drafter, whose drafts cost nothing
 /// measurable). Returns 0 when plain decoding is expected to be faster or nothing can be
-/// drafted.
+/// drafted. Lengths whose cost is not measured yet are explored by doubling; when nothing pays
+/// under the estimated acceptance rates but would under the optimistic ones, a short probe
+/// (at most `PROBE_MAX` tokens) is taken so the estimates can learn.
 pub fn choose_draft_len(
     rows: &[RowOutlook],
     max_len: usize,
@@ -362,16 +380,64 @@ pub fn choose_draft_len(
         return 0;
     };
     let plain = b as f64 / plain_cost.max(1e-9);
-    let (mut best_k, mut best) = (0, plain * MIN_GAIN);
-    let (mut explore_k, mut explore_best) = (0, 0.0);
     let draft_pass = match draft {
         Some(d) => d.predict(b).or_else(|| d.optimistic(b)),
         None => Some(0.0),
     };
+    let choice = best_draft_len(rows, |r| r.alpha, max_len, target, draft_pass, plain);
+    if choice.explore_k > 0 && choice.explore_best > choice.best.max(plain) * EXPLORE_MARGIN {
+        // Measure a step at most twice as large as the largest measured one.
+        let max_n = target.max_tokens().unwrap_or(b);
+        let reach = (2 * max_n / b).saturating_sub(1).max(1);
+        return choice.explore_k.min(reach).max(choice.best_k);
+    }
+    if choice.best_k == 0 {
+        // Nothing pays under the estimates; probe rows whose acceptance is uncertain if their
+        // optimistic rates would make a short draft pay (measured costs only).
+        let probe = best_draft_len(
+            rows,
+            |r| r.alpha_hi,
+            max_len.min(PROBE_MAX),
+            target,
+            draft_pass,
+            plain,
+        );
+        return probe.best_k;
+    }
+    choice.best_k
+}
+
+/// The outcome of scoring draft lengths `1..=max_len`.
+struct Choice {
+    /// The best length with a measured cost (0: plain decoding) and its expected tokens per
+    /// second (at least `plain × MIN_GAIN` to be chosen).
+    best_k: usize,
+    best: f64,
+    /// The best length whose cost is not measured yet, by an optimistic cost.
+    explore_k: usize,
+    explore_best: f64,
+}
+
+fn best_draft_len(
+    rows: &[RowOutlook],
+    alpha: impl Fn(&RowOutlook) -> f64,
+    max_len: usize,
+    target: &CostModel,
+    draft_pass: Option<f64>,
+    plain: f64,
+) -> Choice {
+    let b = rows.len();
+    let plain_cost = b as f64 / plain;
+    let mut c = Choice {
+        best_k: 0,
+        best: plain * MIN_GAIN,
+        explore_k: 0,
+        explore_best: 0.0,
+    };
     for k in 1..=max_len {
         let tokens: f64 = rows
             .iter()
-            .map(|r| expected_tokens(r.alpha, k.min(r.available)))
+            .map(|r| expected_tokens(alpha(r), k.min(r.available)))
             .sum();
         let n = b * (k + 1);
         // Drafting `k` tokens takes `k` passes of the draft model (the first also catches up
@@ -380,26 +446,20 @@ pub fn choose_draft_len(
         match (target.predict(n), drafting) {
             (Some(t), Some(d)) => {
                 let rate = tokens / (t + d).max(1e-9);
-                if rate > best {
-                    (best_k, best) = (k, rate);
+                if rate > c.best {
+                    (c.best_k, c.best) = (k, rate);
                 }
             }
             (t, d) => {
                 let t = t.or_else(|| target.optimistic(n)).unwrap_or(plain_cost);
                 let rate = tokens / (t + d.unwrap_or(0.0)).max(1e-9);
-                if rate > explore_best {
-                    (explore_k, explore_best) = (k, rate);
+                if rate > c.explore_best {
+                    (c.explore_k, c.explore_best) = (k, rate);
                 }
             }
         }
     }
-    if explore_k > 0 && explore_best > best.max(plain) * EXPLORE_MARGIN {
-        // Measure a step at most twice as large as the largest measured one.
-        let max_n = target.max_tokens().unwrap_or(b);
-        let reach = (2 * max_n / b).saturating_sub(1).max(1);
-        return explore_k.min(reach).max(best_k);
-    }
-    best_k
+    c
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -656,7 +716,14 @@ mod tests {
     }
 
     fn rows(b: usize, alpha: f64, available: usize) -> Vec<RowOutlook> {
-        vec![RowOutlook { alpha, available }; b]
+        vec![
+            RowOutlook {
+                alpha,
+                alpha_hi: alpha,
+                available
+            };
+            b
+        ]
     }
 
     #[test]
@@ -706,6 +773,37 @@ mod tests {
         assert_eq!(choose_draft_len(&rows(4, 0.9, 16), 16, &c, None), 1);
         let c = cost(&[(4, 1e-3), (8, 1.05e-3)]);
         assert_eq!(choose_draft_len(&rows(4, 0.9, 16), 16, &c, None), 3);
+    }
+
+    #[test]
+    fn uncertain_rows_are_probed_with_short_drafts() {
+        // A step of 2 tokens per row costs 1.47 plain steps: at the prior rate (0.4) drafting
+        // does not pay, but a sample never verified might repeat its prompt: probe it.
+        let mut c = CostModel::default();
+        for k in 0..=16 {
+            c.observe(32 * (k + 1), 10e-3 + 4.7e-3 * k as f64);
+        }
+        let fresh = Acceptance::default();
+        assert!(fresh.optimistic() > fresh.rate());
+        let outlook = |a: &Acceptance| RowOutlook {
+            alpha: a.rate(),
+            alpha_hi: a.optimistic(),
+            available: 8,
+        };
+        let k = choose_draft_len(&vec![outlook(&fresh); 32], 16, &c, None);
+        assert!((1..=PROBE_MAX).contains(&k), "{k}");
+        // Once the drafts are seen to be rejected, the probing stops.
+        let mut bad = Acceptance::default();
+        for _ in 0..3 {
+            bad.observe(k, 0);
+        }
+        assert_eq!(choose_draft_len(&vec![outlook(&bad); 32], 16, &c, None), 0);
+        // Accepted drafts make speculation the policy's own choice, beyond the probe length.
+        let mut good = Acceptance::default();
+        for _ in 0..3 {
+            good.observe(4, 4);
+        }
+        assert!(choose_draft_len(&vec![outlook(&good); 32], 16, &c, None) > PROBE_MAX);
     }
 
     fn params(temperature: f32, top_k: usize, top_p: f32) -> SamplingParams {
