@@ -6,10 +6,11 @@
 //!   bytes followed by the model's own greedy continuation of them (48 tokens, generated
 //!   before timing); random models fall into repetition loops, so the prompt already holds the
 //!   loop the completion goes on with. 32 prompts in a batch of 32, 128 greedy tokens each;
-//!   `copy-small`: 4 such prompts in a batch of 4.
+//!   `copy-8` and `copy-small`: 8 and 4 such prompts in a batch of 8 and of 4.
 //! * **random** — 32 prompts of 16 random bytes, sampled at temperature 1 (the tiny model's
 //!   distribution is close to uniform over bytes, so the text is random and n-gram drafts are
-//!   almost never right). 128 tokens each; `random-small`: 4 prompts in a batch of 4.
+//!   almost never right). 128 tokens each; `random-8` and `random-small`: 8 and 4 prompts in
+//!   a batch of 8 and of 4.
 //! * **tail** — a long-tailed batch of 64 copy-heavy prompts: 56 of them nearly fill the
 //!   512-position context (464-token prompts, so they stop after 48 tokens, finish `length`),
 //!   8 are short and generate 448 tokens. Reported: overall throughput and the throughput of
@@ -22,7 +23,7 @@
 //! decode steps are dominated by per-step overhead rather than arithmetic.
 //!
 //! Usage: cargo run --release -p braid-runtime --example bench_speculative
-//!        [-- --repeats 5 --only copy|copy-small|random|random-small|tail --size small|medium]
+//!        [-- --repeats 5 --only copy|copy-8|copy-small|random|random-8|random-small|tail --size small|medium]
 
 use std::process::ExitCode;
 use std::time::Instant;
@@ -190,7 +191,7 @@ fn main_inner() -> Result<(), String> {
             ("--size", Some(v)) if v == "small" || v == "medium" => small = v == "small",
             (other, _) => {
                 return Err(format!(
-                    "unknown option {other} (expected --repeats N, --only copy|copy-small|random|random-small|tail, --size small|medium)"
+                    "unknown option {other} (expected --repeats N, --only copy|copy-8|copy-small|random|random-8|random-small|tail, --size small|medium)"
                 ));
             }
         }
@@ -263,6 +264,22 @@ fn main_inner() -> Result<(), String> {
         params: greedy(448),
         max_batch: 64,
     };
+    // Made after the others so that their prompts do not change.
+    let copy_8 = Workload {
+        name: "copy-8",
+        prompts: copy_prompts(&m, &tok, &mut rng, 8, 48)?,
+        params: greedy(128),
+        max_batch: 8,
+    };
+    let random_8 = Workload {
+        name: "random-8",
+        prompts: (0..8).map(|_| random_bytes(&mut rng, 16)).collect(),
+        params: SamplingParams {
+            seed: 5,
+            ..random.params.clone()
+        },
+        max_batch: 8,
+    };
     let modes = [
         SpeculateMode::Off,
         SpeculateMode::Auto,
@@ -272,7 +289,15 @@ fn main_inner() -> Result<(), String> {
         "model: tiny Llama hidden {} x {} layers, intermediate {}, vocab 259; 1 thread; median of {repeats} runs",
         cfg.hidden, cfg.layers, cfg.intermediate
     );
-    for w in [&copy, &copy_small, &random, &random_small, &tail] {
+    for w in [
+        &copy,
+        &copy_8,
+        &copy_small,
+        &random,
+        &random_8,
+        &random_small,
+        &tail,
+    ] {
         if only.as_deref().is_some_and(|o| o != w.name) {
             continue;
         }
