@@ -1,27 +1,34 @@
-//! Decode attention on the CPU: one new query per row over that row's cached keys.
+//! Decode attention on the CPU: a few new queries per row (one in plain decoding, the last
+//! token and its drafts in speculative verification) over that row's cached keys.
 //!
-//! For a single query libtorch's CPU scaled-dot-product attention runs two small matrix-vector
-//! products per (row, head) through BLAS. Once the KV cache outgrows the last-level cache (a
+//! For so few queries libtorch's CPU scaled-dot-product attention runs two small BLAS products
+//! (matrix-vector for a single query) per (row, head). Once the KV cache outgrows the last-level cache (a
 //! batch of 32 rows of the benchmark model at 100 positions holds 28 MB over 4 layers) those
 //! calls read it at about a third of the bandwidth the machine streams memory at, and
 //! attention became the largest part of a decode step. This kernel walks each (row, head)'s
 //! keys and then its values once, front to back, in f32.
 //!
 //! It is used only where it computes exactly what `model::attend` would: f32 tensors on the
-//! CPU, one query per row, no sliding window, and a query at position `len` seeing keys
-//! `0..=len` of its row (the causal mask of a decode step). Everything else goes to libtorch.
+//! CPU, at most `MAX_QUERIES` queries per row, no sliding window, and the causal mask of a
+//! cached step: the row's `i`-th new query, at position `len + i`, sees keys `0..=len + i`.
+//! Everything else (prefill, windows, GPUs, other dtypes) goes to libtorch.
 
 use tch::{Device, Kind, Tensor};
 
-/// Attention of one query per row. `q`: `[B, H, 1, D]`; `keys`, `values`: the cache tensors
-/// `[B, Hkv, capacity, D]` (contiguous); `seen[b]`: how many cached positions row `b`'s query
-/// attends to (its length including the token just written). Returns `[B, 1, H * D]`, the
-/// layout `attend` returns, or `None` when the inputs are not ones this kernel handles.
+/// Most queries per row the kernel takes; longer blocks (prefill) are products libtorch's
+/// attention does well.
+pub(crate) const MAX_QUERIES: i64 = 17;
+
+/// Attention of `T` new queries per row. `q`: `[B, H, T, D]`; `keys`, `values`: the cache
+/// tensors `[B, Hkv, capacity, D]` (contiguous) with the new keys already written; `lens[b]`:
+/// row `b`'s length before them, so its `i`-th query sees `lens[b] + i + 1` positions. Returns
+/// `[B, T, H * D]`, the layout `attend` returns, or `None` when the inputs are not ones this
+/// kernel handles.
 pub(crate) fn decode_attention(
     q: &Tensor,
     keys: &Tensor,
     values: &Tensor,
-    seen: &[i64],
+    lens: &[i64],
 ) -> Option<Tensor> {
     let cpu_f32 = |t: &Tensor| t.device() == Device::Cpu && t.kind() == Kind::Float;
     if !(cpu_f32(q) && cpu_f32(keys) && cpu_f32(values)) {
@@ -29,23 +36,24 @@ pub(crate) fn decode_attention(
     }
     let (b, h, t, d) = q.size4().ok()?;
     let (kb, hkv, cap, kd) = keys.size4().ok()?;
-    if t != 1
+    if !(1..=MAX_QUERIES).contains(&t)
         || kb != b
         || kd != d
         || values.size() != keys.size()
         || hkv == 0
         || h % hkv != 0
-        || seen.len() != b as usize
-        || seen.iter().any(|&n| n < 1 || n > cap)
+        || lens.len() != b as usize
+        || lens.iter().any(|&n| n < 0 || n + t > cap)
         || !keys.is_contiguous()
         || !values.is_contiguous()
     {
         return None;
     }
     let q = q.contiguous();
-    let (b, h, hkv, cap, d) = (
+    let (b, h, t, hkv, cap, d) = (
         b as usize,
         h as usize,
+        t as usize,
         hkv as usize,
         cap as usize,
         d as usize,
@@ -55,24 +63,33 @@ pub(crate) fn decode_attention(
     #[allow(unsafe_code)]
     let (qs, ks, vs) = unsafe {
         (
-            std::slice::from_raw_parts(q.data_ptr() as *const f32, b * h * d),
+            std::slice::from_raw_parts(q.data_ptr() as *const f32, b * h * t * d),
             std::slice::from_raw_parts(keys.data_ptr() as *const f32, b * hkv * cap * d),
             std::slice::from_raw_parts(values.data_ptr() as *const f32, b * hkv * cap * d),
         )
     };
-    let shape = Shape { b, h, hkv, cap, d };
-    let mut out = vec![0f32; b * h * d];
+    let shape = Shape {
+        b,
+        h,
+        t,
+        hkv,
+        cap,
+        d,
+    };
+    let mut out = vec![0f32; b * t * h * d];
     #[cfg(target_arch = "x86_64")]
     if std::is_x86_feature_detected!("avx2") {
         // SAFETY: the CPU supports AVX2, checked just above.
         #[allow(unsafe_code)]
         unsafe {
-            attend_avx2(qs, ks, vs, seen, shape, &mut out)
+            attend_avx2(qs, ks, vs, lens, shape, &mut out)
         };
-        return Some(Tensor::from_slice(&out).reshape([b as i64, 1, (h * d) as i64]));
+    } else {
+        attend_rows(qs, ks, vs, lens, shape, &mut out);
     }
-    attend_rows(qs, ks, vs, seen, shape, &mut out);
-    Some(Tensor::from_slice(&out).reshape([b as i64, 1, (h * d) as i64]))
+    #[cfg(not(target_arch = "x86_64"))]
+    attend_rows(qs, ks, vs, lens, shape, &mut out);
+    Some(Tensor::from_slice(&out).reshape([b as i64, t as i64, (h * d) as i64]))
 }
 
 /// Sizes of a `decode_attention` call.
@@ -80,6 +97,7 @@ pub(crate) fn decode_attention(
 struct Shape {
     b: usize,
     h: usize,
+    t: usize,
     hkv: usize,
     cap: usize,
     d: usize,
@@ -88,43 +106,53 @@ struct Shape {
 /// `attend_rows` compiled for AVX2: eight floats per vector instruction instead of four.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-fn attend_avx2(qs: &[f32], ks: &[f32], vs: &[f32], seen: &[i64], s: Shape, out: &mut [f32]) {
-    attend_rows(qs, ks, vs, seen, s, out);
+fn attend_avx2(qs: &[f32], ks: &[f32], vs: &[f32], lens: &[i64], s: Shape, out: &mut [f32]) {
+    attend_rows(qs, ks, vs, lens, s, out);
 }
 
-/// The kernel: for every (row, head), scores against the row's keys, softmax, and the
-/// weighted sum of its values.
+/// The kernel: for every (row, head, query), scores against the keys the query sees, softmax,
+/// and the weighted sum of their values. A row's keys and values are a few tens of KB, so the
+/// queries after the first read them from cache.
 #[inline(always)]
-fn attend_rows(qs: &[f32], ks: &[f32], vs: &[f32], seen: &[i64], s: Shape, out: &mut [f32]) {
-    let Shape { b, h, hkv, cap, d } = s;
+fn attend_rows(qs: &[f32], ks: &[f32], vs: &[f32], lens: &[i64], s: Shape, out: &mut [f32]) {
+    let Shape {
+        b,
+        h,
+        t,
+        hkv,
+        cap,
+        d,
+    } = s;
     let rep = h / hkv;
     let scale = 1.0 / (d as f32).sqrt();
     let mut scores = vec![0f32; cap];
     for row in 0..b {
-        let n = seen[row] as usize;
         for head in 0..h {
             let base = (row * hkv + head / rep) * cap * d;
-            let query = &qs[(row * h + head) * d..][..d];
-            let mut max = f32::NEG_INFINITY;
-            for (l, s) in scores[..n].iter_mut().enumerate() {
-                *s = dot(query, &ks[base + l * d..][..d]) * scale;
-                max = max.max(*s);
-            }
-            let mut sum = 0f32;
-            for s in &mut scores[..n] {
-                *s = (*s - max).exp();
-                sum += *s;
-            }
-            let o = &mut out[(row * h + head) * d..][..d];
-            for (l, &p) in scores[..n].iter().enumerate() {
-                let v = &vs[base + l * d..][..d];
-                for (o, &v) in o.iter_mut().zip(v) {
-                    *o += p * v;
+            for i in 0..t {
+                let n = lens[row] as usize + i + 1;
+                let query = &qs[((row * h + head) * t + i) * d..][..d];
+                let mut max = f32::NEG_INFINITY;
+                for (l, s) in scores[..n].iter_mut().enumerate() {
+                    *s = dot(query, &ks[base + l * d..][..d]) * scale;
+                    max = max.max(*s);
                 }
-            }
-            let inv = 1.0 / sum;
-            for o in o.iter_mut() {
-                *o *= inv;
+                let mut sum = 0f32;
+                for s in &mut scores[..n] {
+                    *s = (*s - max).exp();
+                    sum += *s;
+                }
+                let o = &mut out[((row * t + i) * h + head) * d..][..d];
+                for (l, &p) in scores[..n].iter().enumerate() {
+                    let v = &vs[base + l * d..][..d];
+                    for (o, &v) in o.iter_mut().zip(v) {
+                        *o += p * v;
+                    }
+                }
+                let inv = 1.0 / sum;
+                for o in o.iter_mut() {
+                    *o *= inv;
+                }
             }
         }
     }
@@ -153,28 +181,26 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 mod tests {
     use super::*;
 
-    /// The kernel against libtorch's attention with the decode mask, for grouped and plain
-    /// heads and rows of different lengths.
+    /// The kernel against libtorch's attention with the cached-step mask, for grouped and
+    /// plain heads, one and several queries per row, and rows of different lengths.
     #[test]
     fn agrees_with_libtorch_attention() {
         tch::manual_seed(3);
-        for (h, hkv) in [(4, 4), (4, 2), (6, 1)] {
+        for (h, hkv, t) in [(4, 4, 1), (4, 2, 1), (6, 1, 1), (4, 4, 3), (4, 2, 5)] {
             let (b, cap, d) = (5i64, 24i64, 16i64);
             let o = (Kind::Float, Device::Cpu);
-            let q = Tensor::randn([b, h, 1, d], o);
+            let q = Tensor::randn([b, h, t, d], o);
             let k = Tensor::randn([b, hkv, cap, d], o);
             let v = Tensor::randn([b, hkv, cap, d], o);
-            let seen = [1i64, 7, 24, 13, 2];
-            let got = decode_attention(&q, &k, &v, &seen).expect("handled");
-            let used = *seen.iter().max().unwrap_or(&1);
-            let pos = Tensor::arange(used, (Kind::Int64, Device::Cpu));
-            let last = Tensor::from_slice(&seen) - 1;
-            // [B, 1, 1, used]: key position <= the query's position.
-            let mask = pos
-                .unsqueeze(0)
-                .le_tensor(&last.unsqueeze(1))
-                .unsqueeze(1)
-                .unsqueeze(1);
+            let lens = [0i64, 6, cap - t, 12, 1];
+            let got = decode_attention(&q, &k, &v, &lens).expect("handled");
+            let used = lens.iter().map(|l| l + t).max().unwrap_or(1);
+            // [B, 1, T, used]: key position <= the query's position `len + i`.
+            let k_pos = Tensor::arange(used, (Kind::Int64, Device::Cpu)).view([1, 1, used]);
+            let q_pos = (Tensor::from_slice(&lens).view([b, 1, 1])
+                + Tensor::arange(t, (Kind::Int64, Device::Cpu)).view([1, t, 1]))
+            .expand([b, t, 1], false);
+            let mask = k_pos.le_tensor(&q_pos).unsqueeze(1);
             let rep = h / hkv;
             let kr = k
                 .narrow(2, 0, used)
@@ -193,22 +219,29 @@ mod tests {
                 false,
             )
             .transpose(1, 2)
-            .reshape([b, 1, h * d]);
+            .reshape([b, t, h * d]);
             let diff = (&got - &want).abs().max().double_value(&[]);
-            assert!(diff < 1e-5, "heads {h}/{hkv}: max difference {diff}");
+            assert!(
+                diff < 1e-5,
+                "heads {h}/{hkv}, {t} queries: max difference {diff}"
+            );
         }
     }
 
     #[test]
     fn declines_what_it_does_not_handle() {
         let o = (Kind::Float, Device::Cpu);
-        let k = Tensor::zeros([2, 2, 8, 4], o);
-        // Two queries per row (speculative verification) go to libtorch.
-        assert!(decode_attention(&Tensor::zeros([2, 2, 2, 4], o), &k, &k, &[1, 1]).is_none());
-        // f64, and a row that would read past the cache.
+        let k = Tensor::zeros([2, 2, 32, 4], o);
         let q = Tensor::zeros([2, 2, 1, 4], o);
-        assert!(decode_attention(&q.to_kind(Kind::Double), &k, &k, &[1, 1]).is_none());
-        assert!(decode_attention(&q, &k, &k, &[1, 9]).is_none());
-        assert!(decode_attention(&q, &k, &k, &[1, 8]).is_some());
+        assert!(decode_attention(&q, &k, &k, &[0, 31]).is_some());
+        // A prefill-sized block goes to libtorch.
+        let long = Tensor::zeros([2, 2, MAX_QUERIES + 1, 4], o);
+        assert!(decode_attention(&long, &k, &k, &[0, 0]).is_none());
+        // f64, and a row whose queries would read past the cache.
+        assert!(decode_attention(&q.to_kind(Kind::Double), &k, &k, &[0, 0]).is_none());
+        assert!(decode_attention(&q, &k, &k, &[0, 32]).is_none());
+        let three = Tensor::zeros([2, 2, 3, 4], o);
+        assert!(decode_attention(&three, &k, &k, &[0, 30]).is_none());
+        assert!(decode_attention(&three, &k, &k, &[0, 29]).is_some());
     }
 }

@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 use tch::nn::VarStore;
 use tch::{Device, Kind, Tensor};
 
-use crate::attention::decode_attention;
+use crate::attention::{MAX_QUERIES, decode_attention};
 use crate::cache::KvCache;
 use crate::config::{Activation, Arch, ModelConfig, RopeScaling};
 use crate::error::{Error, Result};
@@ -678,9 +678,9 @@ impl Model {
         let mask_for = |w: Option<i64>| build_mask(&pos, &k_pos, &k_valid, w, None);
         let full = mask_for(None);
         let ids = ids.to_device(dev);
-        // A decode step (one new token per row) attends to positions `0..=len` of each row,
-        // which `decode_attention` computes directly on the CPU.
-        let decode_seen: Option<Vec<i64>> = (t == 1).then(|| lens.iter().map(|l| l + 1).collect());
+        // Decode and verification steps (a few new tokens per row) attend with a kernel of
+        // their own on the CPU (`attention.rs`); it declines what it does not handle.
+        let few_queries = t <= MAX_QUERIES;
         let write_and_read =
             |cache: &mut KvCache, l: usize, k: &Tensor, v: &Tensor| -> (Tensor, Tensor) {
                 let idx = [Some(bh.shallow_clone()), Some(at.shallow_clone())];
@@ -716,14 +716,9 @@ impl Model {
                     };
                     let (q, k, v) = self.llama_qkv(layer, &x, &cos, &sin);
                     let (kc, vc) = write_and_read(cache, l, &k, &v);
-                    let a = layer
-                        .window
-                        .is_none()
-                        .then_some(decode_seen.as_deref())
+                    let a = (few_queries && layer.window.is_none())
+                        .then(|| decode_attention(&q, &cache.keys[l], &cache.values[l], &lens))
                         .flatten()
-                        .and_then(|seen| {
-                            decode_attention(&q, &cache.keys[l], &cache.values[l], seen)
-                        })
                         .unwrap_or_else(|| attend(&q, &kc, &vc, &mask));
                     x = self.llama_rest(layer, x, &a);
                 }
@@ -740,11 +735,9 @@ impl Model {
                 for (l, layer) in layers.iter().enumerate() {
                     let (q, k, v) = self.gpt2_qkv(layer, &x);
                     let (kc, vc) = write_and_read(cache, l, &k, &v);
-                    let a = decode_seen
-                        .as_deref()
-                        .and_then(|seen| {
-                            decode_attention(&q, &cache.keys[l], &cache.values[l], seen)
-                        })
+                    let a = few_queries
+                        .then(|| decode_attention(&q, &cache.keys[l], &cache.values[l], &lens))
+                        .flatten()
                         .unwrap_or_else(|| attend(&q, &kc, &vc, &full));
                     x = self.gpt2_rest(layer, x, &a);
                 }
