@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use braid_passes::annotated::{
-    Annotated, PinTarget, Pins, PlacePin, SpeculatePin, default_workload, shapes_from_plan,
+    Annotated, FusePin, PinTarget, Pins, PlacePin, SpeculatePin, default_workload, shapes_from_plan,
 };
 use braid_passes::cluster::ClusterSpec;
 use braid_passes::cost::{DeviceKind, ModelShape};
@@ -236,7 +236,12 @@ fn pins_of(program: &Program, plan: &braid_ir::graph::Plan) -> Pins {
                 };
                 pins.speculate.push((t.as_ref().map(target), mode));
             }
-            PinKind::Fuse { .. } | PinKind::Interleave(_) | PinKind::MicroBatch { .. } => {}
+            PinKind::Fuse { from, to } => pins.fuse.push(FusePin {
+                from: target(from),
+                to: to.iter().map(target).collect(),
+            }),
+            PinKind::Interleave(sels) => pins.interleave.push(sels.iter().map(target).collect()),
+            PinKind::MicroBatch { .. } => {}
         }
     }
     pins

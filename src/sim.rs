@@ -152,10 +152,41 @@ fn comparison_text(
             100.0 * s.bubble_fraction
         );
     }
+    let _ = writeln!(
+        o,
+        "\n{:<52} {:>11} {:>9} {:>11} {:>11} {:>11} {:>8}",
+        "generation + inference breakdown (mean)",
+        "generation",
+        "tail",
+        "inference",
+        "inf. after",
+        "transfers",
+        "idle"
+    );
+    for s in &cmp.systems {
+        let b = &s.breakdown;
+        let _ = writeln!(
+            o,
+            "{:<52} {:>11} {:>9} {:>11} {:>11} {:>11} {:>7.1}%",
+            s.system,
+            secs(b.generation),
+            secs(b.tail),
+            secs(b.inference),
+            secs(b.inference_after_generation),
+            secs(b.transfers_in_window),
+            100.0 * b.idle_fraction
+        );
+    }
     let g = &cmp.fusion_gain;
     let _ = writeln!(
         o,
         "\nfusion gain (braid over braid without fusion): generation+inference {:.2}x, training {:.2}x, end to end {:.2}x",
+        g.generation_inference, g.training, g.end_to_end
+    );
+    let g = &cmp.fusion_gain_same_placement;
+    let _ = writeln!(
+        o,
+        "fusion gain on braid's placement (fusion off on the same meshes): generation+inference {:.2}x, training {:.2}x, end to end {:.2}x",
         g.generation_inference, g.training, g.end_to_end
     );
     if let Some((h, s)) = cmp.searched_vs_heuristic {
@@ -164,6 +195,21 @@ fn comparison_text(
             "placement (cost model): searched {} vs heuristic {} per iteration",
             secs(s),
             secs(h)
+        );
+    }
+    if let Some(s) = &a.decisions.search
+        && !s.simulated.is_empty()
+    {
+        let c: Vec<String> = s
+            .simulated
+            .iter()
+            .map(|(n, t)| format!("{n} {}", secs(*t)))
+            .collect();
+        let _ = writeln!(
+            o,
+            "placement (simulator, before streaming): {}; kept {}",
+            c.join(", "),
+            s.kept
         );
     }
     let gains: Vec<String> = cmp

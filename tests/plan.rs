@@ -140,3 +140,59 @@ fn sim_every_example_with_baselines_and_traces() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `fuse GEN -> SEL…` and `interleave SEL, SEL` pins in a program's `schedule` reach the
+/// planner: only the listed consumers stream, and the listed trainings are fused (or a note
+/// says why they cannot be).
+#[test]
+fn schedule_fuse_and_interleave_pins_steer_the_plan() {
+    let dir = std::env::temp_dir().join(format!("braid-pins-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let program = |schedule: &str| {
+        format!(
+            r#"use std::ppo
+model actor = hf("llama-7b") {{ train: adamw(lr: 1e-6) }}
+model critic = hf("llama-7b") {{
+  head: value
+  train: adamw(lr: 1e-6)
+}}
+model rm = hf("llama-7b") {{ head: score }}
+dataset prompts = synthetic::letters(count: 4096)
+run ppo(actor, prompts, reward_model: rm, critic: critic) {{
+  steps: 10
+  batch: 128
+  max_new_tokens: 512
+  minibatches: 2
+}}
+{schedule}
+"#
+        )
+    };
+    let plain = dir.join("plain.rlhf");
+    std::fs::write(&plain, program("")).unwrap();
+    let pinned = dir.join("pinned.rlhf");
+    std::fs::write(
+        &pinned,
+        program("schedule {\n  fuse generate -> logprobs(ref), score\n  interleave train(policy), train(critic)\n}"),
+    )
+    .unwrap();
+    let args = |f: &std::path::Path| ok(&["plan", f.to_str().unwrap(), "--cluster", "2x8xH100"]);
+    let free = args(&plain);
+    let text = args(&pinned);
+    assert_ne!(free, text);
+    assert!(!free.contains("`fuse"), "{free}");
+    assert!(
+        text.contains("not listed in the `fuse generate(actor)` pin"),
+        "{text}"
+    );
+    assert_eq!(
+        text.matches("(listed in the `fuse` pin)").count(),
+        2,
+        "{text}"
+    );
+    assert!(
+        text.contains("microbatch-interleave: train(actor)") || text.contains("`interleave` pin"),
+        "{text}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

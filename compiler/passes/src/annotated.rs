@@ -71,6 +71,13 @@ pub struct PlacePin {
     pub dp: Option<u64>,
 }
 
+/// A `fuse SEL -> SEL, SEL…` pin.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct FusePin {
+    pub from: PinTarget,
+    pub to: Vec<PinTarget>,
+}
+
 /// The schedule pins the planner must respect (checked already by `braid-sema`).
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct Pins {
@@ -78,6 +85,12 @@ pub struct Pins {
     pub speculate: Vec<(Option<PinTarget>, SpeculatePin)>,
     /// `fuse off`.
     pub fuse_off: bool,
+    /// `fuse SEL -> SEL, SEL…`: of the generation the first selector names, only the calls the
+    /// others name stream; its other consumers wait for the whole batch.
+    pub fuse: Vec<FusePin>,
+    /// `interleave SEL, SEL…`: the trainings that run as one fused pipeline schedule (and no
+    /// other pair does).
+    pub interleave: Vec<Vec<PinTarget>>,
     /// `migrate off`.
     pub migrate_off: bool,
     /// `migrate below P%`: the threshold as a fraction of the samples.
@@ -88,6 +101,11 @@ pub struct Pins {
 }
 
 impl Pins {
+    /// Whether any pin's selector in `targets` selects `op` named `name`.
+    pub fn selects_any(&self, targets: &[PinTarget], op: &Op, name: &str) -> bool {
+        targets.iter().any(|t| self.selects(t, op, name))
+    }
+
     /// Whether `target` selects node `op` (on model slot `model`, named `name`).
     pub fn selects(&self, target: &PinTarget, op: &Op, name: &str) -> bool {
         if op.name() != target.op {
@@ -221,6 +239,11 @@ pub struct SearchRecord {
     pub iterations: u64,
     pub accepted: u64,
     pub seed: u64,
+    /// The final check in the simulator: each candidate placement (`searched`, `heuristic`,
+    /// `per-model`) with its simulated mean iteration (reshards and offloads inserted, trainings
+    /// interleaved where they would be), in that order; the fastest is kept.
+    pub simulated: Vec<(String, f64)>,
+    pub kept: String,
 }
 
 /// What a transfer node inserted by `reshard-insert` moves and how.
@@ -311,6 +334,14 @@ impl Annotated {
             .models
             .get(slot as usize)
             .map_or_else(|| format!("#{slot}"), |m| m.name.clone())
+    }
+
+    /// Whether pin selector `t` names call `id`.
+    pub fn selected(&self, t: &PinTarget, id: NodeId) -> bool {
+        self.plan.graph.node(id).is_some_and(|n| {
+            let name = n.op.model().map(|m| self.model_name(m)).unwrap_or_default();
+            self.pins.selects(t, &n.op, &name)
+        })
     }
 
     /// `generate(policy)`: how a call is named in messages.

@@ -37,6 +37,12 @@ pub struct CallSize {
 
 /// The size of call `id`, or `None` for a node that is not a model call.
 pub fn call_size(a: &Annotated, id: NodeId) -> Option<CallSize> {
+    size_of(a, id, true)
+}
+
+/// [`call_size`], drawing the generated lengths only when `lengths` (memory needs only the
+/// limit; without them `lengths` is empty and `mean_seq` is `max_seq`).
+fn size_of(a: &Annotated, id: NodeId, lengths: bool) -> Option<CallSize> {
     let g = &a.plan.graph;
     let node = g.node(id)?;
     if !node.op.is_model_call() {
@@ -57,8 +63,16 @@ pub fn call_size(a: &Annotated, id: NodeId) -> Option<CallSize> {
         .max(1) as u64;
     let samples = prompts * params.n.max(1) as u64;
     let max_new = params.max_new_tokens.max(1) as u64;
-    let lengths = sample_lengths(a, gen_id, samples, max_new);
-    let mean = lengths.iter().sum::<u64>() as f64 / lengths.len().max(1) as f64;
+    let lengths = if lengths {
+        sample_lengths(a, gen_id, samples, max_new)
+    } else {
+        Vec::new()
+    };
+    let mean = if lengths.is_empty() {
+        max_new as f64
+    } else {
+        lengths.iter().sum::<u64>() as f64 / lengths.len() as f64
+    };
     let prompt_len = a.workload.prompt_len.max(1);
     let train = match node.op {
         Op::Train {
@@ -169,11 +183,12 @@ pub fn call_time(a: &Annotated, id: NodeId, p: &Placement) -> f64 {
             step.total * (epochs * mbs) as f64
         }
         _ => {
-            // Chunks one after another through all stages, as the simulator runs them
-            // (`Work::inference`): pipeline stages add latency, not throughput.
+            // Chunks issued back to back through the pipeline stages, as the simulator runs
+            // them (`Work::inference`): `k` chunks take `k + pp − 1` stage times.
             let (per, chunk) = per_replica(size.samples, p);
-            per.div_ceil(chunk) as f64
-                * a.cost.forward_time(shape, p.layout(), chunk, size.mean_seq)
+            let k = per.div_ceil(chunk) as f64;
+            let pp = p.pp.max(1) as f64;
+            (k + pp - 1.0) / pp * a.cost.forward_time(shape, p.layout(), chunk, size.mean_seq)
         }
     }
 }
@@ -181,7 +196,7 @@ pub fn call_time(a: &Annotated, id: NodeId, p: &Placement) -> f64 {
 /// Memory one device of the call's mesh needs.
 pub fn call_memory(a: &Annotated, id: NodeId, p: &Placement) -> Option<MemoryNeeds> {
     let node = a.plan.graph.node(id)?;
-    let size = call_size(a, id)?;
+    let size = size_of(a, id, false)?;
     let shape = a.shape(node.op.model()?)?;
     let use_ = match node.op {
         Op::Generate { .. } => MemoryUse {
@@ -448,6 +463,76 @@ pub fn reshard_seconds(a: &Annotated, most_bytes: u64, from: &Placement, to: &Pl
     most_bytes as f64 / (bw * d.network_efficiency) + lat
 }
 
+/// Host ↔ device bandwidth per GPU for offloading (PCIe Gen5 ×16 is 64 GB/s per direction on
+/// paper; 25 GB/s is what pinned-memory copies reach in practice with several GPUs per host
+/// sharing the root complex).
+pub const HOST_BANDWIDTH: f64 = 25e9;
+
+/// A frozen model whose weights go to host memory after its last call and come back before its
+/// first, because another call on its devices would not fit next to them.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Offload {
+    pub model: u32,
+    pub first: NodeId,
+    pub last: NodeId,
+    /// The call that needs the room, and what it needs per device.
+    pub other: NodeId,
+    pub need: u64,
+    /// Weight bytes per device.
+    pub weights: u64,
+    /// One direction (offload or reload): the weights over [`HOST_BANDWIDTH`].
+    pub seconds: f64,
+}
+
+/// The offloads a placement needs (what `reshard-insert` inserts and `place` prices): a frozen
+/// model is offloaded when some other model's call on its devices fits alone but not next to
+/// its weights.
+pub fn offloads(a: &Annotated, placements: &BTreeMap<NodeId, Placement>) -> Vec<Offload> {
+    let usable = a.cost.device.usable_memory();
+    let mut by_model: BTreeMap<u32, Vec<NodeId>> = BTreeMap::new();
+    for id in a.calls() {
+        if let Some(m) = a.plan.graph.node(id).and_then(|n| n.op.model()) {
+            by_model.entry(m).or_default().push(id);
+        }
+    }
+    let mut out = Vec::new();
+    for (&model, calls) in &by_model {
+        if a.is_trained(model) {
+            continue;
+        }
+        let (Some(&first), Some(&last)) = (calls.first(), calls.last()) else {
+            continue;
+        };
+        let Some(pm) = placements.get(&first) else {
+            continue;
+        };
+        let Some(weights) = call_memory(a, first, pm).map(|m| m.weights) else {
+            continue;
+        };
+        for (&other, po) in placements {
+            if a.plan.graph.node(other).and_then(|n| n.op.model()) == Some(model)
+                || !po.overlaps(pm)
+            {
+                continue;
+            }
+            let need = call_memory(a, other, po).map_or(0, |m| m.total());
+            if need <= usable && need + weights > usable {
+                out.push(Offload {
+                    model,
+                    first,
+                    last,
+                    other,
+                    need,
+                    weights,
+                    seconds: weights as f64 / HOST_BANDWIDTH,
+                });
+                break;
+            }
+        }
+    }
+    out
+}
+
 /// Two `train` calls that can run as one fused pipeline schedule (RLHFuse intra-stage fusion):
 /// the fused problem per data-parallel group and what it takes in seconds.
 #[derive(Clone, Debug)]
@@ -586,6 +671,12 @@ pub fn iteration_time(
         Vec::new()
     };
     let mut done_fused: BTreeMap<NodeId, f64> = BTreeMap::new();
+    // Offloads and reloads, as `reshard-insert` will insert them and the simulator runs them:
+    // a reload on the first call's devices as soon as they are free, an offload on the last
+    // call's devices right after it.
+    let moves = offloads(a, placements);
+    let reload_before: BTreeMap<NodeId, f64> = moves.iter().map(|o| (o.first, o.seconds)).collect();
+    let offload_after: BTreeMap<NodeId, f64> = moves.iter().map(|o| (o.last, o.seconds)).collect();
     for &id in &calls {
         let (Some(p), Some(model)) = (
             placements.get(&id),
@@ -607,8 +698,13 @@ pub fn iteration_time(
         };
         let mut start = ready(&end, id);
         let devs = p.first as usize..(p.first + p.count) as usize;
+        let mut devices_free = 0.0f64;
         for d in devs.clone() {
-            start = start.max(free.get(d).copied().unwrap_or(0.0));
+            devices_free = devices_free.max(free.get(d).copied().unwrap_or(0.0));
+        }
+        start = start.max(devices_free);
+        if let Some(secs) = reload_before.get(&id) {
+            start = start.max(devices_free + secs);
         }
         let mut reshard = 0.0;
         if let (Some(shape), Some(prev)) = (a.shape(model), last_on_model.get(&model))
@@ -626,9 +722,10 @@ pub fn iteration_time(
             partner = Some(o);
         }
         let e = start + reshard + dur;
+        let busy_until = e + offload_after.get(&id).copied().unwrap_or(0.0);
         for d in devs {
             if let Some(f) = free.get_mut(d) {
-                *f = e;
+                *f = busy_until;
             }
         }
         end.insert(id, e);
@@ -638,7 +735,7 @@ pub fn iteration_time(
             done_fused.insert(o, e);
         }
     }
-    let mut total = end.values().copied().fold(0.0, f64::max);
+    let mut total = free.iter().copied().fold(0.0, f64::max);
     // Back to each model's first layout for the next iteration.
     for (m, last) in &last_on_model {
         if let (Some(first), Some(shape)) = (first_on_model.get(m), a.shape(*m))

@@ -274,6 +274,19 @@ pub fn to_text(r: &PlanReport) -> String {
                 s.iterations,
                 s.accepted
             );
+            if !s.simulated.is_empty() {
+                let c: Vec<String> = s
+                    .simulated
+                    .iter()
+                    .map(|(n, t)| format!("{n} {}", secs(*t)))
+                    .collect();
+                let _ = writeln!(
+                    o,
+                    "placement checked in the simulator: {}; kept {}",
+                    c.join(", "),
+                    s.kept
+                );
+            }
         }
         None => {
             let _ = writeln!(

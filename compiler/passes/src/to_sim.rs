@@ -289,15 +289,38 @@ pub struct SystemResult {
     pub training_seconds: f64,
     pub mean_utilisation: f64,
     pub bubble_fraction: f64,
+    /// The stage breakdown behind the generation-plus-inference time.
+    pub breakdown: Breakdown,
+}
+
+/// Where the generation-plus-inference time goes, mean over iterations (seconds).
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct Breakdown {
+    /// The generation stage: first start to last end.
+    pub generation: f64,
+    /// The long tail: from when 90 % of the samples had finished to the generation's end.
+    pub tail: f64,
+    /// The inference stage: first start to last end (it overlaps generation when it streams).
+    pub inference: f64,
+    /// Inference left after the generation ended.
+    pub inference_after_generation: f64,
+    /// Reshard and offload tasks inside the generation-plus-inference window, summed over
+    /// tasks (each on its devices).
+    pub transfers_in_window: f64,
+    /// Idle device-time over all device-time in the generation-plus-inference window.
+    pub idle_fraction: f64,
 }
 
 /// Summarises a report: mean over iterations of the generation-plus-inference and training
-/// spans.
+/// spans, and the breakdown.
 pub fn summarise(system: &str, r: &SimReport) -> SystemResult {
     let n = r.iterations.len().max(1) as f64;
+    let devices = r.device_utilisation.len().max(1) as f64;
     let mut gi = 0.0;
     let mut tr = 0.0;
+    let mut b = Breakdown::default();
     for it in &r.iterations {
+        let stage = |name: &str| it.stages.iter().find(|s| s.stage == name);
         let end = it
             .stages
             .iter()
@@ -305,11 +328,44 @@ pub fn summarise(system: &str, r: &SimReport) -> SystemResult {
             .map(|s| s.end)
             .fold(it.start, f64::max);
         gi += end - it.start;
-        tr += it
-            .stages
+        tr += stage("train").map_or(0.0, |s| s.end - s.start);
+        let gen_end = stage("generate").map_or(it.start, |s| s.end);
+        b.generation += stage("generate").map_or(0.0, |s| s.end - s.start);
+        b.inference += stage("inference").map_or(0.0, |s| s.end - s.start);
+        b.inference_after_generation += (end - gen_end).max(0.0);
+        b.tail += it
+            .generations
             .iter()
-            .find(|s| s.stage == "train")
-            .map_or(0.0, |s| s.end - s.start);
+            .map(|g| g.end - g.p90_at)
+            .fold(0.0, f64::max);
+        // Busy device-time inside the window; a span is one device's.
+        let mut busy = 0.0;
+        let mut tasks = std::collections::BTreeSet::new();
+        for s in r.timeline.iter().filter(|s| s.iteration == it.index) {
+            let (lo, hi) = (s.start.max(it.start), s.end.min(end));
+            if hi > lo {
+                busy += hi - lo;
+                if (s.stage == "reshard" || s.stage == "offload")
+                    && tasks.insert((s.task.clone(), s.start.to_bits()))
+                {
+                    b.transfers_in_window += hi - lo;
+                }
+            }
+        }
+        let window = (end - it.start) * devices;
+        if window > 0.0 {
+            b.idle_fraction += 1.0 - busy / window;
+        }
+    }
+    for x in [
+        &mut b.generation,
+        &mut b.tail,
+        &mut b.inference,
+        &mut b.inference_after_generation,
+        &mut b.transfers_in_window,
+        &mut b.idle_fraction,
+    ] {
+        *x /= n;
     }
     let util = r.device_utilisation.iter().sum::<f64>() / r.device_utilisation.len().max(1) as f64;
     SystemResult {
@@ -319,6 +375,7 @@ pub fn summarise(system: &str, r: &SimReport) -> SystemResult {
         training_seconds: tr / n,
         mean_utilisation: util,
         bubble_fraction: r.bubble_fraction,
+        breakdown: b,
     }
 }
 
@@ -334,6 +391,10 @@ pub struct Comparison {
     pub systems: Vec<SystemResult>,
     /// Braid with fusion over Braid without: generation + inference, training, iteration.
     pub fusion_gain: Gains,
+    /// Braid's plan with its fusion decisions over the same placements with streaming,
+    /// migration and fused training switched off (RLHFuse's ablation on one parallel
+    /// configuration).
+    pub fusion_gain_same_placement: Gains,
     /// Iteration time with each pass disabled over the full plan's.
     pub pass_gains: Vec<(String, f64)>,
     pub searched_vs_heuristic: Option<(f64, f64)>,
@@ -371,9 +432,18 @@ pub fn compare(
         Ok(a)
     };
     let mut systems = Vec::new();
-    // DeepSpeed-Chat style.
+    // DeepSpeed-Chat style: one layout per model; frozen models that crowd another call's
+    // memory are offloaded and reloaded, as in every other system.
     let mut ds = base.clone();
     ds.decisions.placements = estimate::per_model_placements(&ds);
+    PassManager::new()
+        .disable(&[
+            "place".to_string(),
+            "sample-split".to_string(),
+            "microbatch-interleave".to_string(),
+            "speculate".to_string(),
+        ])?
+        .run(&mut ds, |_, _| {})?;
     let ds_report = simulate_plan(&ds, false, opts).map_err(sim_err)?;
     systems.push(summarise(
         "deepspeed-chat (sequential, one layout per model)",
@@ -391,26 +461,31 @@ pub fn compare(
         "real-heuristic (layout per call, sequential)",
         &real_report,
     ));
-    // Without fusion: the same plan with streaming, migration and fused training off (as
-    // RLHFuse compares), so the gain is the fusion's alone.
+    // Without fusion: the same system — the same passes, `place` searching for a plan that
+    // does not fuse — with `sample-split` and `microbatch-interleave` off (RLHFuse's
+    // RLHFuse-Base), so the gain is the fusion's alone.
+    let nofuse = plan_with(&["sample-split", "microbatch-interleave"])?;
+    let nofuse_report = simulate_plan(&nofuse, false, opts).map_err(sim_err)?;
+    let nofuse_sum = summarise("braid without fusion (same passes)", &nofuse_report);
     let full = plan_with(&[])?;
-    let nofuse_report = simulate_plan(&full, false, opts).map_err(sim_err)?;
-    let nofuse_sum = summarise("braid without fusion (same plan)", &nofuse_report);
     systems.push(nofuse_sum.clone());
     let full_report = simulate_plan(&full, true, opts).map_err(sim_err)?;
     let full_sum = summarise("braid", &full_report);
     systems.push(full_sum.clone());
-    let fusion_gain = Gains {
+    let gains = |without: &SystemResult, with: &SystemResult| Gains {
         generation_inference: ratio(
-            nofuse_sum.generation_inference_seconds,
-            full_sum.generation_inference_seconds,
+            without.generation_inference_seconds,
+            with.generation_inference_seconds,
         ),
-        training: ratio(nofuse_sum.training_seconds, full_sum.training_seconds),
-        end_to_end: ratio(
-            nofuse_sum.mean_iteration_seconds,
-            full_sum.mean_iteration_seconds,
-        ),
+        training: ratio(without.training_seconds, with.training_seconds),
+        end_to_end: ratio(without.mean_iteration_seconds, with.mean_iteration_seconds),
     };
+    let fusion_gain = gains(&nofuse_sum, &full_sum);
+    let same_placement = summarise(
+        "braid's placement without fusion",
+        &simulate_plan(&full, false, opts).map_err(sim_err)?,
+    );
+    let fusion_gain_same_placement = gains(&same_placement, &full_sum);
     let mut pass_gains = Vec::new();
     for name in crate::passes::pass_names() {
         if disabled.iter().any(|d| d == name) {
@@ -433,6 +508,7 @@ pub fn compare(
         Comparison {
             systems,
             fusion_gain,
+            fusion_gain_same_placement,
             pass_gains,
             searched_vs_heuristic,
         },

@@ -12,7 +12,7 @@
 
 use braid_ir::graph::{NodeId, Op};
 
-use crate::annotated::{Annotated, InterleaveDecision};
+use crate::annotated::{Annotated, InterleaveDecision, Placement};
 use crate::estimate::{self, fused_train};
 use crate::fused_pipeline::solve;
 use crate::passes::{Pass, PassError};
@@ -48,9 +48,41 @@ impl Pass for MicrobatchInterleave {
             ));
             return Ok(());
         }
+        // `interleave` pins name the pairs; without them every pair may fuse.
+        let pinned = pinned_pairs(a, &trains);
+        let pairs: Vec<(NodeId, NodeId)> = if a.pins.interleave.is_empty() {
+            trains
+                .iter()
+                .enumerate()
+                .flat_map(|(i, &x)| trains[i + 1..].iter().map(move |&y| (x, y)))
+                .collect()
+        } else {
+            for (pin, extra) in &pinned {
+                for &e in extra {
+                    a.decisions.notes.push(format!(
+                        "microbatch-interleave: {} is also listed in the `interleave` pin, but a \
+                         fused schedule interleaves two pipelines; it trains on its own",
+                        a.call_name(e)
+                    ));
+                }
+                if pin.is_none() {
+                    a.decisions.notes.push(
+                        "microbatch-interleave: an `interleave` pin names fewer than two train \
+                         calls of this run; nothing to fuse for it"
+                            .into(),
+                    );
+                }
+            }
+            pinned.iter().filter_map(|(p, _)| *p).collect()
+        };
+        let is_pinned = |x: NodeId, y: NodeId| {
+            pinned
+                .iter()
+                .any(|(p, _)| *p == Some((x, y)) || *p == Some((y, x)))
+        };
         let mut used: Vec<NodeId> = Vec::new();
-        for (i, &x) in trains.iter().enumerate() {
-            for &y in &trains[i + 1..] {
+        for (x, y) in pairs {
+            {
                 if used.contains(&x) || used.contains(&y) {
                     continue;
                 }
@@ -58,17 +90,37 @@ impl Pass for MicrobatchInterleave {
                     continue;
                 };
                 let Some(f) = fused_train(a, x, px, y, py) else {
-                    a.decisions.notes.push(format!(
-                        "microbatch-interleave: {} and {} do not share devices with pipeline \
-                         parallelism (one pipeline dividing the other, same tp and steps)",
-                        a.call_name(x),
-                        a.call_name(y)
-                    ));
+                    let why = why_not_fusable(px, py);
+                    a.decisions.notes.push(if is_pinned(x, y) {
+                        format!(
+                            "microbatch-interleave: the `interleave` pin on {} and {} cannot be \
+                             honoured: {why}",
+                            a.call_name(x),
+                            a.call_name(y)
+                        )
+                    } else {
+                        format!(
+                            "microbatch-interleave: {} and {} do not share devices with pipeline \
+                             parallelism (one pipeline dividing the other, same tp and steps): \
+                             {why}",
+                            a.call_name(x),
+                            a.call_name(y)
+                        )
+                    });
                     continue;
                 };
                 let s = solve(&f.problem).map_err(|e| PassError(e.0))?;
                 let fused_seconds = f.seconds(s.latency);
-                if fused_seconds >= f.serial_seconds {
+                if fused_seconds >= f.serial_seconds && is_pinned(x, y) {
+                    a.decisions.notes.push(format!(
+                        "microbatch-interleave: {} and {} are fused as pinned by `interleave`, \
+                         although in sequence they would be faster ({fused_seconds:.3} s vs \
+                         {:.3} s)",
+                        a.call_name(x),
+                        a.call_name(y),
+                        f.serial_seconds
+                    ));
+                } else if fused_seconds >= f.serial_seconds {
                     a.decisions.notes.push(format!(
                         "microbatch-interleave: fusing {} and {} would not be faster \
                          ({fused_seconds:.3} s vs {:.3} s)",
@@ -109,5 +161,57 @@ impl Pass for MicrobatchInterleave {
             }
         }
         Ok(())
+    }
+}
+
+/// One `interleave` pin's pair (absent when it selects fewer than two train calls) and the
+/// other train calls it selects.
+pub type PinnedPair = (Option<(NodeId, NodeId)>, Vec<NodeId>);
+
+/// Per `interleave` pin: the first two train calls it selects (absent when it selects fewer)
+/// and the others it selects, which a two-model fused schedule cannot take.
+pub fn pinned_pairs(a: &Annotated, trains: &[NodeId]) -> Vec<PinnedPair> {
+    a.pins
+        .interleave
+        .iter()
+        .map(|sels| {
+            let chosen: Vec<NodeId> = trains
+                .iter()
+                .copied()
+                .filter(|&t| sels.iter().any(|s| a.selected(s, t)))
+                .collect();
+            match chosen.as_slice() {
+                [x, y, rest @ ..] => (Some((*x, *y)), rest.to_vec()),
+                _ => (None, Vec::new()),
+            }
+        })
+        .collect()
+}
+
+/// Why two trains' placements cannot run as one fused pipeline schedule.
+fn why_not_fusable(px: &Placement, py: &Placement) -> String {
+    if (px.first, px.count) != (py.first, py.count) {
+        format!(
+            "they run on different devices ({}..{} and {}..{})",
+            px.first,
+            px.first + px.count,
+            py.first,
+            py.first + py.count
+        )
+    } else if px.tp != py.tp {
+        format!(
+            "their tensor-parallel degrees differ ({} and {})",
+            px.tp, py.tp
+        )
+    } else if px.pp.max(py.pp) < 2 {
+        "neither is pipelined, so there are no bubbles to fill".into()
+    } else if !px.pp.max(py.pp).is_multiple_of(px.pp.min(py.pp)) {
+        format!(
+            "the smaller pipeline ({}) does not divide the larger ({})",
+            px.pp.min(py.pp),
+            px.pp.max(py.pp)
+        )
+    } else {
+        "they take different numbers of optimizer steps, or no fitting fused problem exists".into()
     }
 }

@@ -150,3 +150,15 @@ pub fn run_one(pass: &dyn Pass, plan: &mut Annotated, verify: bool) -> Result<()
     }
     Ok(())
 }
+
+/// A copy of `a` as the later passes will leave it, for simulating a decision in context:
+/// `microbatch-interleave` (when `interleave`) and `reshard-insert` run on the copy, so the
+/// simulated iteration includes fused training and the reshard and offload tasks.
+pub(crate) fn completed(a: &Annotated, interleave: bool) -> Result<Annotated, PassError> {
+    let mut probe = a.clone();
+    if interleave {
+        microbatch_interleave::MicrobatchInterleave.run(&mut probe)?;
+    }
+    reshard_insert::ReshardInsert.run(&mut probe)?;
+    Ok(probe)
+}

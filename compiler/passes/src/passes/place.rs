@@ -19,6 +19,7 @@ use crate::annotated::{Annotated, PinTarget, Placement, SearchRecord};
 use crate::estimate::{self, EstimateOptions};
 use crate::passes::{Pass, PassError};
 use crate::prng::Rng;
+use crate::sim::{SimOptions, simulate};
 
 pub struct Place;
 
@@ -56,88 +57,217 @@ impl Pass for Place {
             fused_training: a.will_run("microbatch-interleave") && !a.pins.fuse_off,
         };
         let mut time_cache: BTreeMap<(NodeId, u64, u64, u64, u64), f64> = BTreeMap::new();
-        let mut cost = |a: &Annotated, pl: &BTreeMap<NodeId, Placement>| {
+        let mut priced = |a: &Annotated, pl: &BTreeMap<NodeId, Placement>, fused: bool| {
             let mut times = |id: NodeId, p: &Placement| {
                 *time_cache
                     .entry((id, p.dp, p.tp, p.pp, p.microbatches))
                     .or_insert_with(|| estimate::call_time(a, id, p))
             };
-            estimate::iteration_time(a, pl, &deps, &mut times, opts)
+            let o = EstimateOptions {
+                fused_training: fused,
+            };
+            estimate::iteration_time(a, pl, &deps, &mut times, o)
         };
         let heuristic = current.clone();
-        let heuristic_cost = cost(a, &heuristic);
+        let heuristic_cost = priced(a, &heuristic, opts.fused_training);
         let n = a.cluster.devices();
         let sizes = mesh_sizes(n);
-        let mut options: BTreeMap<(NodeId, u64), Vec<Placement>> = BTreeMap::new();
-        let mut rng = Rng::new(a.seed ^ 0x504C_4143);
-        let mut best = current.clone();
-        let mut best_cost = heuristic_cost;
-        let mut cur_cost = heuristic_cost;
-        let iterations = ITERATIONS_PER_CALL * free.len() as u64;
-        let mut accepted = 0;
-        let t0 = 0.05 * heuristic_cost.max(1e-9);
-        let t1 = 1e-4 * heuristic_cost.max(1e-9);
-        for it in 0..iterations {
-            let id = free[rng.below(free.len())];
-            let Some(old) = current.get(&id).copied() else {
-                continue;
-            };
-            let count = if rng.next_f64() < 0.5 {
-                sizes[rng.below(sizes.len())]
-            } else {
-                old.count
-            };
-            let opts_here = options
-                .entry((id, count))
-                .or_insert_with(|| {
-                    estimate::fitting_options(a, id, count)
-                        .into_iter()
-                        .map(|x| x.1)
-                        .collect()
-                })
-                .clone();
-            if opts_here.is_empty() {
-                continue;
-            }
-            // Bias towards the faster layouts: the better of two uniform picks.
-            let k = rng.below(opts_here.len()).min(rng.below(opts_here.len()));
-            let first = if count == old.count && rng.next_f64() < 0.7 {
-                old.first
-            } else {
-                count * rng.below((n / count) as usize) as u64
-            };
-            let proposal = Placement {
-                first,
-                ..opts_here[k]
-            };
-            if proposal == old {
-                continue;
-            }
-            current.insert(id, proposal);
-            let c = cost(a, &current);
-            let frac = it as f64 / iterations.max(1) as f64;
-            let temp = t0 * (t1 / t0).powf(frac);
-            let accept = c <= cur_cost || rng.next_f64() < (-(c - cur_cost) / temp).exp();
-            if accept {
-                accepted += 1;
-                cur_cost = c;
-                if c < best_cost {
-                    best_cost = c;
-                    best = current.clone();
-                }
-            } else {
-                current.insert(id, old);
-            }
+        // With fused training priced, a second chain searches as if nothing fused (exactly
+        // the chain of the same system without fusion, same seed): the simulator check below
+        // then picks among both, so fusion never makes the kept plan worse than that system's.
+        let pricings: Vec<bool> = if opts.fused_training {
+            vec![true, false]
+        } else {
+            vec![false]
+        };
+        let mut chains: Vec<Chain> = Vec::new();
+        for &fused in &pricings {
+            chains.push(chain(a, &current, &free, &sizes, &mut |a, pl| {
+                priced(a, pl, fused)
+            }));
         }
+        let iterations = chains.iter().map(|c| c.iterations).sum();
+        let accepted = chains.iter().map(|c| c.accepted).sum();
+        let mut best = chains[0].best.clone();
+        let mut best_cost = chains[0].best_cost;
+        let alternative = chains.get(1).map(|c| c.best.clone());
+        let mut cost =
+            |a: &Annotated, pl: &BTreeMap<NodeId, Placement>| priced(a, pl, opts.fused_training);
         assert!(
             best_cost <= heuristic_cost,
             "place: the searched plan ({best_cost} s) is worse than the heuristic ({heuristic_cost} s)"
         );
+        // `interleave` pins: each pinned pair of trains gets the best joint placement the
+        // fused schedule can use (one mesh, one tp, one pipeline dividing the other), the rest
+        // of the plan as searched.
+        let trains: Vec<NodeId> = calls
+            .iter()
+            .copied()
+            .filter(|i| {
+                matches!(
+                    a.plan.graph.node(*i).map(|n| &n.op),
+                    Some(braid_ir::graph::Op::Train { .. })
+                )
+            })
+            .collect();
+        let pinned_pairs: Vec<(NodeId, NodeId)> =
+            crate::passes::microbatch_interleave::pinned_pairs(a, &trains)
+                .into_iter()
+                .filter_map(|(p, _)| p)
+                .collect();
+        let fusable = |pl: &BTreeMap<NodeId, Placement>| {
+            pinned_pairs
+                .iter()
+                .all(|(x, y)| match (pl.get(x), pl.get(y)) {
+                    (Some(px), Some(py)) => estimate::fused_train(a, *x, px, *y, py).is_some(),
+                    _ => false,
+                })
+        };
+        let mut pin_notes: Vec<String> = Vec::new();
+        if !a.pins.fuse_off {
+            for &(x, y) in &pinned_pairs {
+                let (Some(bx), Some(by)) = (best.get(&x).copied(), best.get(&y).copied()) else {
+                    continue;
+                };
+                if estimate::fused_train(a, x, &bx, y, &by).is_some() {
+                    continue;
+                }
+                let mut found: Option<(f64, Placement, Placement)> = None;
+                for &count in &sizes {
+                    let ox: Vec<Placement> = if free.contains(&x) {
+                        estimate::fitting_options(a, x, count)
+                            .into_iter()
+                            .map(|o| o.1)
+                            .collect()
+                    } else if bx.count == count {
+                        vec![bx]
+                    } else {
+                        Vec::new()
+                    };
+                    let oy: Vec<Placement> = if free.contains(&y) {
+                        estimate::fitting_options(a, y, count)
+                            .into_iter()
+                            .map(|o| o.1)
+                            .collect()
+                    } else if by.count == count {
+                        vec![by]
+                    } else {
+                        Vec::new()
+                    };
+                    let starts: Vec<u64> = if !free.contains(&x) {
+                        vec![bx.first]
+                    } else if !free.contains(&y) {
+                        vec![by.first]
+                    } else {
+                        (0..n / count).map(|k| k * count).collect()
+                    };
+                    for &first in &starts {
+                        for px in &ox {
+                            for py in &oy {
+                                let px = Placement { first, ..*px };
+                                let py = Placement { first, ..*py };
+                                if estimate::fused_train(a, x, &px, y, &py).is_none() {
+                                    continue;
+                                }
+                                let mut trial = best.clone();
+                                trial.insert(x, px);
+                                trial.insert(y, py);
+                                let c = cost(a, &trial);
+                                if found.as_ref().is_none_or(|f| c < f.0) {
+                                    found = Some((c, px, py));
+                                }
+                            }
+                        }
+                    }
+                }
+                if let Some((c, px, py)) = found {
+                    best.insert(x, px);
+                    best.insert(y, py);
+                    best_cost = c;
+                    for id in [x, y] {
+                        why.insert(
+                            id,
+                            format!(
+                                "placed for the `interleave` pin: {} and {} share a pipelined \
+                                 mesh (iteration {c:.3} s)",
+                                a.call_name(x),
+                                a.call_name(y)
+                            ),
+                        );
+                    }
+                } else {
+                    pin_notes.push(format!(
+                        "place: no mesh fits {} and {} with one tensor-parallel degree and one \
+                         pipeline dividing the other, so the `interleave` pin cannot be honoured",
+                        a.call_name(x),
+                        a.call_name(y)
+                    ));
+                }
+            }
+        }
+        // The list schedule is an estimate; the simulator has the last word. The searched,
+        // heuristic and one-layout-per-model placements are simulated as the later passes will
+        // leave them (trainings interleaved where they would be, reshards and offloads
+        // inserted) and the fastest is kept, so the plan is never worse than either baseline in
+        // the simulator either. Pinned calls keep their pins in every candidate.
+        let mut candidates: Vec<(&str, BTreeMap<NodeId, Placement>)> =
+            vec![("searched", best.clone())];
+        // A candidate that breaks an `interleave` pin the searched plan keeps is not one.
+        let need_fusable = fusable(&best);
+        if let Some(alt) = alternative
+            && alt != best
+            && (!need_fusable || fusable(&alt))
+        {
+            candidates.push(("searched without fusion", alt));
+        }
+        if heuristic != best && (!need_fusable || fusable(&heuristic)) {
+            candidates.push(("heuristic", heuristic.clone()));
+        }
+        let mut per_model = estimate::per_model_placements(a);
+        for (id, p) in &current {
+            if !free.contains(id) {
+                per_model.insert(*id, *p);
+            }
+        }
+        if per_model != best
+            && per_model != heuristic
+            && (!need_fusable || fusable(&per_model))
+            && per_model.iter().all(|(id, p)| estimate::fits(a, *id, p))
+        {
+            candidates.push(("per-model", per_model));
+        }
+        let mut simulated = Vec::new();
+        let mut kept = "searched".to_string();
+        if candidates.len() > 1 {
+            let mut fastest = f64::INFINITY;
+            for (name, pl) in candidates {
+                let t = simulate_placement(a, &pl, opts.fused_training)?;
+                simulated.push((name.to_string(), t));
+                if t < fastest {
+                    fastest = t;
+                    kept = name.to_string();
+                    best = pl;
+                }
+            }
+        }
+        let best_cost = if kept == "searched" {
+            best_cost
+        } else {
+            cost(a, &best)
+        };
         for &id in &free {
             let (Some(b), Some(h)) = (best.get(&id), heuristic.get(&id)) else {
                 continue;
             };
-            let text = if b == h {
+            if why.contains_key(&id) && kept == "searched" {
+                continue;
+            }
+            let text = if kept == "per-model" {
+                format!(
+                    "one layout per model ({}) kept: it simulates faster than the searched plan",
+                    describe(b)
+                )
+            } else if b == h {
                 format!(
                     "heuristic kept: the fastest layout on all {n} devices that fits{}",
                     if estimate::fits(a, id, b) {
@@ -157,6 +287,7 @@ impl Pass for Place {
             };
             why.insert(id, text);
         }
+        a.decisions.notes.extend(pin_notes);
         a.decisions.placements = best;
         a.decisions.placement_why = why;
         a.decisions.search = Some(SearchRecord {
@@ -165,8 +296,128 @@ impl Pass for Place {
             iterations,
             accepted,
             seed: a.seed,
+            simulated,
+            kept,
         });
         Ok(())
+    }
+}
+
+/// Mean simulated iteration of `placements` as the later passes leave them without streaming:
+/// `microbatch-interleave` (when `interleave`) and `reshard-insert` run on a copy.
+fn simulate_placement(
+    a: &Annotated,
+    placements: &BTreeMap<NodeId, Placement>,
+    interleave: bool,
+) -> Result<f64, PassError> {
+    let mut with = a.clone();
+    with.decisions.placements = placements.clone();
+    let probe = crate::passes::completed(&with, interleave)?;
+    let (dag, _) = crate::to_sim::to_dag(&probe, true).map_err(PassError)?;
+    let opts = SimOptions {
+        iterations: 2,
+        seed: a.seed,
+    };
+    Ok(simulate(&dag, &opts)
+        .map_err(|e| PassError(e.0))?
+        .mean_iteration_time)
+}
+
+/// One Markov chain's result.
+struct Chain {
+    best: BTreeMap<NodeId, Placement>,
+    best_cost: f64,
+    iterations: u64,
+    accepted: u64,
+}
+
+/// The Metropolis chain from `start` over the `free` calls: proposals on one call at a time (a
+/// mesh size and aligned position, one of its faster fitting layouts), accepted at a
+/// temperature cooling from 5 % to 0.01 % of the start's cost; the best state is returned.
+fn chain(
+    a: &Annotated,
+    start: &BTreeMap<NodeId, Placement>,
+    free: &[NodeId],
+    sizes: &[u64],
+    cost: &mut dyn FnMut(&Annotated, &BTreeMap<NodeId, Placement>) -> f64,
+) -> Chain {
+    let n = a.cluster.devices();
+    let mut current = start.clone();
+    let start_cost = cost(a, &current);
+    let mut options: BTreeMap<(NodeId, u64), Vec<Placement>> = BTreeMap::new();
+    let mut rng = Rng::new(a.seed ^ 0x504C_4143);
+    let mut best = current.clone();
+    let mut best_cost = start_cost;
+    let mut cur_cost = start_cost;
+    let iterations = ITERATIONS_PER_CALL * free.len() as u64;
+    let mut accepted = 0;
+    let t0 = 0.05 * start_cost.max(1e-9);
+    let t1 = 1e-4 * start_cost.max(1e-9);
+    if free.is_empty() {
+        return Chain {
+            best,
+            best_cost,
+            iterations: 0,
+            accepted: 0,
+        };
+    }
+    for it in 0..iterations {
+        let id = free[rng.below(free.len())];
+        let Some(old) = current.get(&id).copied() else {
+            continue;
+        };
+        let count = if rng.next_f64() < 0.5 {
+            sizes[rng.below(sizes.len())]
+        } else {
+            old.count
+        };
+        let opts_here = options
+            .entry((id, count))
+            .or_insert_with(|| {
+                estimate::fitting_options(a, id, count)
+                    .into_iter()
+                    .map(|x| x.1)
+                    .collect()
+            })
+            .clone();
+        if opts_here.is_empty() {
+            continue;
+        }
+        // Bias towards the faster layouts: the better of two uniform picks.
+        let k = rng.below(opts_here.len()).min(rng.below(opts_here.len()));
+        let first = if count == old.count && rng.next_f64() < 0.7 {
+            old.first
+        } else {
+            count * rng.below((n / count) as usize) as u64
+        };
+        let proposal = Placement {
+            first,
+            ..opts_here[k]
+        };
+        if proposal == old {
+            continue;
+        }
+        current.insert(id, proposal);
+        let c = cost(a, &current);
+        let frac = it as f64 / iterations.max(1) as f64;
+        let temp = t0 * (t1 / t0).powf(frac);
+        let accept = c <= cur_cost || rng.next_f64() < (-(c - cur_cost) / temp).exp();
+        if accept {
+            accepted += 1;
+            cur_cost = c;
+            if c < best_cost {
+                best_cost = c;
+                best = current.clone();
+            }
+        } else {
+            current.insert(id, old);
+        }
+    }
+    Chain {
+        best,
+        best_cost,
+        iterations,
+        accepted,
     }
 }
 

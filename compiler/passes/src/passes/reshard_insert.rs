@@ -17,10 +17,7 @@ use crate::annotated::{Annotated, Placement, TransferDecision};
 use crate::estimate::{self, reshard_bytes, reshard_seconds};
 use crate::passes::{Pass, PassError};
 
-/// Host ↔ device bandwidth per GPU for offloading (PCIe Gen5 ×16 is 64 GB/s per direction on
-/// paper; 25 GB/s is what pinned-memory copies reach in practice with several GPUs per host
-/// sharing the root complex).
-pub const HOST_BANDWIDTH: f64 = 25e9;
+pub use crate::estimate::HOST_BANDWIDTH;
 
 pub struct ReshardInsert;
 
@@ -96,37 +93,14 @@ impl Pass for ReshardInsert {
         }
         // Offload frozen models whose weights would crowd out another model's call.
         let usable = a.cost.device.usable_memory();
-        for (&model, calls) in &by_model {
-            if a.is_trained(model) {
-                continue;
-            }
-            let (Some(&first), Some(&last)) = (calls.first(), calls.last()) else {
-                continue;
-            };
+        for o in estimate::offloads(a, &placements) {
+            let (model, first, last, other, need, weights) =
+                (o.model, o.first, o.last, o.other, o.need, o.weights);
             let Some(pm) = placements.get(&first) else {
                 continue;
             };
-            let Some(weights) = estimate::call_memory(a, first, pm).map(|m| m.weights) else {
-                continue;
-            };
-            let mut crowded: Option<(NodeId, u64)> = None;
-            for (&other, po) in &placements {
-                if a.plan.graph.node(other).and_then(|n| n.op.model()) == Some(model)
-                    || !po.overlaps(pm)
-                {
-                    continue;
-                }
-                let need = estimate::call_memory(a, other, po).map_or(0, |m| m.total());
-                if need <= usable && need + weights > usable {
-                    crowded = Some((other, need));
-                    break;
-                }
-            }
-            let Some((other, need)) = crowded else {
-                continue;
-            };
             let bytes = weights * pm.count;
-            let seconds = weights as f64 / HOST_BANDWIDTH;
+            let seconds = o.seconds;
             let why = format!(
                 "{} needs {:.1} GB per device and {}'s weights take {:.1} GB of the {:.1} GB usable",
                 a.call_name(other),

@@ -13,7 +13,7 @@
 
 use braid_ir::graph::{Gran, NodeId, Op};
 
-use crate::annotated::{Annotated, Cut, MigrationDecision, Placement, StreamDecision};
+use crate::annotated::{Annotated, Cut, FusePin, MigrationDecision, Placement, StreamDecision};
 use crate::estimate::{self, call_size};
 use crate::passes::{Pass, PassError};
 use crate::sim::{SimOptions, pick_migration_threshold, simulate};
@@ -54,7 +54,7 @@ impl Pass for SampleSplit {
             let Some(gen_id) = g.rollout_of(id) else {
                 continue;
             };
-            let (cut, why) = match node.gran {
+            let (mut cut, mut why) = match node.gran {
                 Gran::Scalar | Gran::Sample => (
                     Cut::Sample,
                     "per-sample: runs on each sample as soon as it is generated".to_string(),
@@ -68,6 +68,27 @@ impl Pass for SampleSplit {
                     format!("per-batch: `{}` needs the whole batch", node.op.name()),
                 ),
             };
+            // A `fuse GEN -> SEL…` pin: of this generation's model calls, only those listed
+            // stream; the others wait for the batch.
+            if node.op.is_model_call()
+                && let Some(pin) = fuse_pin(a, gen_id)
+            {
+                let listed = pin.to.iter().any(|t| a.selected(t, id));
+                match (listed, cut) {
+                    (true, Cut::Sample) => why.push_str(" (listed in the `fuse` pin)"),
+                    (true, _) => why.push_str(
+                        " (listed in the `fuse` pin, but its granularity does not allow streaming)",
+                    ),
+                    (false, Cut::Sample) => {
+                        cut = Cut::Batch;
+                        why = format!(
+                            "not listed in the `fuse {}` pin: waits for the whole batch",
+                            a.call_name(gen_id)
+                        );
+                    }
+                    (false, _) => {}
+                }
+            }
             streams.push((
                 id,
                 StreamDecision {
@@ -81,6 +102,9 @@ impl Pass for SampleSplit {
             a.decisions.streams.insert(id, s);
         }
         let placements = estimate::placements(a);
+        // Every simulation below runs on the plan as the later passes will leave it (fused
+        // training, reshards and offloads), which the streaming decisions do not change.
+        let base = crate::passes::completed(a, a.will_run("microbatch-interleave"))?;
         let gens: Vec<NodeId> = a
             .calls()
             .into_iter()
@@ -108,34 +132,11 @@ impl Pass for SampleSplit {
                 ));
                 continue;
             }
-            let to_instances = (gp.dp / 8).max(1);
-            // Streaming consumers that shared the generation's devices move onto the devices
-            // that migration frees.
-            let kept = to_instances * gp.tp * gp.pp;
-            let freed = Placement {
-                first: gp.first + kept,
-                count: gp.count - kept,
-                ..*gp
-            };
-            for (&id, s) in &a.decisions.streams {
-                if s.generate != gen_id || s.cut != Cut::Sample {
-                    continue;
-                }
-                let Some(p) = placements.get(&id) else {
-                    continue;
-                };
-                if !p.overlaps(gp) {
-                    continue;
-                }
-                if let Some(sub) = subtask_placement(a, id, p, &freed) {
-                    a.decisions.subtask_placements.insert(id, sub);
-                }
-            }
             let samples = size.samples;
             let candidates: Vec<u64> = match a.pins.migrate_below {
                 Some(frac) => vec![((samples as f64 * frac).ceil() as u64).max(1)],
                 None => {
-                    let mut v: Vec<u64> = [64u64, 32, 16, 8, 4]
+                    let mut v: Vec<u64> = [64u64, 32, 16, 8, 4, 2]
                         .iter()
                         .map(|d| (samples / d).max(1))
                         .collect();
@@ -143,33 +144,116 @@ impl Pass for SampleSplit {
                     v
                 }
             };
-            let mut probe = a.clone();
-            probe.decisions.migrations.insert(
-                gen_id,
-                MigrationDecision {
-                    threshold: candidates[0],
-                    to_instances,
-                    candidates: Vec::new(),
-                    why: String::new(),
-                },
-            );
-            let (dag, tasks) = to_dag(&probe, true).map_err(PassError)?;
-            let Some(&task) = tasks.get(&gen_id) else {
-                continue;
-            };
+            // How many instances keep the tail: fewer free more devices for the streaming
+            // consumers, more keep the tail's batch (and KV reads) per instance small. Chosen
+            // with R_t by simulating each pair.
+            let mut kept_options: Vec<u64> = [8u64, 4, 2]
+                .iter()
+                .map(|d| (gp.dp / d).max(1))
+                .filter(|k| *k < gp.dp)
+                .collect();
+            kept_options.dedup();
             let opts = SimOptions {
                 iterations: 2,
                 seed: a.seed,
             };
-            let (threshold, results) = pick_migration_threshold(&dag, task, &candidates, &opts)
-                .map_err(|e| PassError(e.0))?;
+            let mut best: Option<Candidate> = None;
+            let mut others: Vec<String> = Vec::new();
+            for &to_instances in &kept_options {
+                // Streaming consumers that shared the generation's devices move onto the
+                // devices that migration frees.
+                let kept = to_instances * gp.tp * gp.pp;
+                let freed = Placement {
+                    first: gp.first + kept,
+                    count: gp.count - kept,
+                    ..*gp
+                };
+                // The moved consumers share the freed devices chunk by chunk, so their weights
+                // (and the generating model's) must all stay resident there: with their own
+                // tensor-parallel degrees if that fits, else at least the generation's.
+                let usable = a.cost.device.usable_memory();
+                let mut chosen: Option<Probe> = None;
+                let mut need = 0;
+                for min_tp in [1, gp.tp] {
+                    let subs = moved_consumers(a, gen_id, gp, &placements, &freed, min_tp);
+                    need = resident_weights(a, gen_id, gp, &subs);
+                    if need <= usable {
+                        chosen = Some(subs);
+                        break;
+                    }
+                }
+                let Some(subs) = chosen else {
+                    others.push(format!(
+                        "{to_instances} instance(s): the consumers' weights need {:.1} GB per \
+                         freed device, {:.1} GB usable",
+                        need as f64 / 1e9,
+                        usable as f64 / 1e9
+                    ));
+                    continue;
+                };
+                // The receivers must hold the tail's KV caches: at most as many sequences per
+                // instance as fit next to the weights at the full length.
+                let capacity = estimate::call_memory(a, gen_id, gp).map_or(u64::MAX, |m| {
+                    let per = samples.div_ceil(gp.dp.max(1)).max(1);
+                    let per_seq = (m.kv_cache / per).max(1);
+                    usable.saturating_sub(m.weights) / per_seq
+                });
+                let fitting: Vec<u64> = candidates
+                    .iter()
+                    .copied()
+                    .filter(|r| r.div_ceil(to_instances) <= capacity)
+                    .collect();
+                if fitting.is_empty() {
+                    others.push(format!(
+                        "{to_instances} instance(s): no threshold's tail fits their KV caches"
+                    ));
+                    continue;
+                }
+                let mut probe = in_context(&base, a);
+                probe
+                    .decisions
+                    .subtask_placements
+                    .extend(subs.iter().copied());
+                probe.decisions.migrations.insert(
+                    gen_id,
+                    MigrationDecision {
+                        threshold: fitting[0],
+                        to_instances,
+                        candidates: Vec::new(),
+                        why: String::new(),
+                    },
+                );
+                let (dag, tasks) = to_dag(&probe, true).map_err(PassError)?;
+                let Some(&task) = tasks.get(&gen_id) else {
+                    continue;
+                };
+                let (threshold, results) = pick_migration_threshold(&dag, task, &fitting, &opts)
+                    .map_err(|e| PassError(e.0))?;
+                let t = results
+                    .iter()
+                    .find(|r| r.0 == threshold)
+                    .map_or(f64::INFINITY, |r| r.1);
+                others.push(format!(
+                    "{to_instances} instance(s): {t:.2} s at {threshold}"
+                ));
+                if best.as_ref().is_none_or(|b| t < b.0) {
+                    best = Some((t, to_instances, threshold, results, subs));
+                }
+            }
+            let Some((_, to_instances, threshold, results, subs)) = best else {
+                continue;
+            };
+            a.decisions.subtask_placements.extend(subs);
             let why = if a.pins.migrate_below.is_some() {
                 format!("pinned by `migrate below`: {threshold} of {samples} samples")
             } else {
                 format!(
-                    "fastest simulated iteration over {} candidates ({} of {samples} samples)",
+                    "fastest simulated iteration over {} thresholds ({} of {samples} samples) and \
+                     {} tail sizes ({})",
                     results.len(),
-                    threshold
+                    threshold,
+                    kept_options.len(),
+                    others.join(", ")
                 )
             };
             a.decisions.migrations.insert(
@@ -182,7 +266,7 @@ impl Pass for SampleSplit {
                 },
             );
             // Keep migration (and the moved subtasks) only if it beats streaming without it.
-            let with = simulated(a, &opts)?;
+            let with = simulated(&in_context(&base, a), &opts)?;
             let mut without = a.clone();
             without.decisions.migrations.remove(&gen_id);
             without.decisions.subtask_placements.retain(|id, _| {
@@ -191,8 +275,14 @@ impl Pass for SampleSplit {
                     .get(id)
                     .is_none_or(|s| s.generate != gen_id)
             });
-            let plain = simulated(&without, &opts)?;
-            if plain <= with {
+            let plain = simulated(&in_context(&base, &without), &opts)?;
+            if plain <= with && a.pins.migrate_below.is_some() {
+                a.decisions.notes.push(format!(
+                    "sample-split: migrating {}'s tail is pinned by `migrate below` although it \
+                     simulates slower ({with:.3} s vs {plain:.3} s per iteration)",
+                    a.call_name(gen_id)
+                ));
+            } else if plain <= with {
                 a.decisions.notes.push(format!(
                     "sample-split: migrating {}'s tail would not pay ({with:.3} s vs {plain:.3} s \
                      simulated per iteration); it streams without migrating",
@@ -207,12 +297,20 @@ impl Pass for SampleSplit {
             iterations: 2,
             seed: a.seed,
         };
-        let fused = simulated(a, &opts)?;
-        let (dag, _) = to_dag(a, false).map_err(PassError)?;
-        let unfused = simulate(&dag, &opts)
-            .map_err(|e| PassError(e.0))?
-            .mean_iteration_time;
-        if unfused < fused {
+        let fused = simulated(&in_context(&base, a), &opts)?;
+        let mut plain = in_context(&base, a);
+        plain.decisions.streams.clear();
+        plain.decisions.migrations.clear();
+        plain.decisions.subtask_placements.clear();
+        let unfused = simulated(&plain, &opts)?;
+        let pinned = a.pins.migrate_below.is_some()
+            || a.calls().into_iter().any(|g| fuse_pin(a, g).is_some());
+        if unfused < fused && pinned {
+            a.decisions.notes.push(format!(
+                "sample-split: streaming is pinned (`fuse`, `migrate below`) although it simulates slower \
+                 ({fused:.3} s vs {unfused:.3} s per iteration)"
+            ));
+        } else if unfused < fused {
             a.decisions.notes.push(format!(
                 "sample-split: streaming would not pay ({fused:.3} s vs {unfused:.3} s simulated \
                  per iteration); nothing streams"
@@ -223,6 +321,90 @@ impl Pass for SampleSplit {
         }
         Ok(())
     }
+}
+
+/// The streaming consumers of `gen_id` that shared its devices, moved onto `freed` with a
+/// tensor-parallel degree of at least `min_tp` (where the model's heads and the node allow).
+fn moved_consumers(
+    a: &Annotated,
+    gen_id: NodeId,
+    gp: &Placement,
+    placements: &std::collections::BTreeMap<NodeId, Placement>,
+    freed: &Placement,
+    min_tp: u64,
+) -> Probe {
+    let mut subs = Vec::new();
+    for (&id, s) in &a.decisions.streams {
+        if s.generate != gen_id || s.cut != Cut::Sample {
+            continue;
+        }
+        let Some(p) = placements.get(&id) else {
+            continue;
+        };
+        if !p.overlaps(gp) {
+            continue;
+        }
+        let heads = a
+            .plan
+            .graph
+            .node(id)
+            .and_then(|n| n.op.model())
+            .and_then(|m| a.shape(m))
+            .map_or(1, |sh| sh.heads);
+        let mut tp = p.tp;
+        while tp < min_tp
+            && (tp * 2) * p.pp <= freed.count
+            && tp * 2 <= a.cluster.per_node.max(1)
+            && heads.is_multiple_of(tp * 2)
+        {
+            tp *= 2;
+        }
+        let q = Placement { tp, ..*p };
+        if let Some(sub) = subtask_placement(a, id, &q, freed) {
+            subs.push((id, sub));
+        }
+    }
+    subs
+}
+
+/// Weight bytes per freed device when the moved consumers and the generating model all stay
+/// resident (a model's weights counted once, at its largest shard).
+fn resident_weights(a: &Annotated, gen_id: NodeId, gp: &Placement, subs: &Probe) -> u64 {
+    let mut resident: std::collections::BTreeMap<u32, u64> = Default::default();
+    for (id, p) in subs.iter().chain(std::iter::once(&(gen_id, *gp))) {
+        let (Some(m), Some(mem)) = (
+            a.plan.graph.node(*id).and_then(|n| n.op.model()),
+            estimate::call_memory(a, *id, p),
+        ) else {
+            continue;
+        };
+        let e = resident.entry(m).or_default();
+        *e = (*e).max(mem.weights);
+    }
+    resident.values().sum()
+}
+
+/// Subtask placements of one migration candidate.
+type Probe = Vec<(NodeId, Placement)>;
+
+/// A migration candidate: simulated iteration, instances kept, threshold, every threshold's
+/// time, the moved consumers.
+type Candidate = (f64, u64, u64, Vec<(u64, f64)>, Probe);
+
+/// The last `fuse` pin whose source selects generation `gen_id`.
+fn fuse_pin(a: &Annotated, gen_id: NodeId) -> Option<&FusePin> {
+    let is_gen = matches!(
+        a.plan.graph.node(gen_id).map(|n| &n.op),
+        Some(Op::Generate { .. })
+    );
+    if !is_gen {
+        return None;
+    }
+    a.pins
+        .fuse
+        .iter()
+        .rev()
+        .find(|p| a.selected(&p.from, gen_id))
 }
 
 /// Call `id` (placed at `p`) moved onto `freed`: the same tensor and pipeline degrees, as many
@@ -253,6 +435,15 @@ fn subtask_placement(
         pp: p.pp,
         microbatches: per.div_ceil(chunk).max(1),
     })
+}
+
+/// `base` (the plan completed by the later passes) with `a`'s streaming decisions.
+fn in_context(base: &Annotated, a: &Annotated) -> Annotated {
+    let mut probe = base.clone();
+    probe.decisions.streams = a.decisions.streams.clone();
+    probe.decisions.migrations = a.decisions.migrations.clone();
+    probe.decisions.subtask_placements = a.decisions.subtask_placements.clone();
+    probe
 }
 
 /// Mean simulated iteration time of the plan with its fusion decisions.

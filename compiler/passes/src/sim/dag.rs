@@ -57,6 +57,10 @@ pub enum Work {
         chunk: u64,
         chunk_fixed: f64,
         per_sample: f64,
+        /// Pipeline fill: with pipeline stages, `chunk_fixed + per_sample · n` is a chunk's
+        /// time in one stage (the pace of chunks issued back to back), and a run of chunks
+        /// takes `fill` more for its first chunk to cross the other stages. 0 without stages.
+        fill: f64,
     },
 }
 
@@ -74,8 +78,10 @@ impl Work {
         chunk: u64,
     ) -> Work {
         let replicas = replicas.max(1) as f64;
-        let one = cost.forward_time(model, layout, 1, seq_len);
-        let many = cost.forward_time(model, layout, chunk.max(1), seq_len);
+        // Per pipeline stage: chunks issued back to back leave one stage apart.
+        let pp = layout.pp.max(1) as f64;
+        let one = cost.forward_time(model, layout, 1, seq_len) / pp;
+        let many = cost.forward_time(model, layout, chunk.max(1), seq_len) / pp;
         // A linear fit through chunk sizes 1 and `chunk`: small chunks are dominated by the
         // weight reads, large ones by compute.
         let per_sample = if chunk > 1 {
@@ -89,6 +95,7 @@ impl Work {
             chunk: chunk.max(1),
             chunk_fixed: chunk_fixed / replicas,
             per_sample: per_sample / replicas,
+            fill: (pp - 1.0) * many,
         }
     }
 }
@@ -249,14 +256,17 @@ impl DagBuilder {
                     chunk,
                     chunk_fixed,
                     per_sample,
+                    fill,
                 } => {
                     if *samples == 0 || *chunk == 0 {
                         return err("per-sample work needs samples and a chunk size".into());
                     }
                     if !(chunk_fixed.is_finite()
                         && per_sample.is_finite()
+                        && fill.is_finite()
                         && *chunk_fixed >= 0.0
-                        && *per_sample >= 0.0)
+                        && *per_sample >= 0.0
+                        && *fill >= 0.0)
                     {
                         return err("per-sample costs must be finite and non-negative".into());
                     }

@@ -64,6 +64,9 @@ pub struct GenerationReport {
     /// When the long tail was consolidated (absent: no migration happened).
     pub migrated_at: Option<f64>,
     pub samples_migrated: u64,
+    /// When 90 % of the samples had finished: from then to `end` is the long tail, when at
+    /// most a tenth of the batch still decodes.
+    pub p90_at: f64,
     pub end: f64,
 }
 
@@ -246,17 +249,26 @@ impl Engine<'_> {
         }
     }
 
+    /// Starts every waiting task that can start, and the next chunk of every running
+    /// streaming consumer whose devices are free, in DAG order.
     fn try_start_all(&mut self, now: f64) {
         for i in 0..self.dag.tasks.len() {
+            let t = &self.dag.tasks[i];
+            let streaming = t.stream_from.is_some();
+            if self.runs[i].state == State::Running && streaming {
+                self.next_chunk(i, now);
+                continue;
+            }
             if self.runs[i].state != State::Waiting {
                 continue;
             }
-            let t = &self.dag.tasks[i];
             let deps_done = t.deps.iter().all(|d| self.runs[d.0].state == State::Done);
             let producer_started = t
                 .stream_from
                 .is_none_or(|p| self.runs[p.0].state != State::Waiting);
-            let devices_free = t.devices.iter().all(|&d| self.owner[d].is_none());
+            // A streaming consumer holds its devices only while a chunk runs (RLHFuse's
+            // sample-level subtasks), so it starts without them.
+            let devices_free = streaming || t.devices.iter().all(|&d| self.owner[d].is_none());
             if deps_done && producer_started && devices_free {
                 self.start(i, now);
             }
@@ -265,8 +277,10 @@ impl Engine<'_> {
 
     fn start(&mut self, i: usize, now: f64) {
         let t = &self.dag.tasks[i];
-        for &d in &t.devices {
-            self.owner[d] = Some(i);
+        if t.stream_from.is_none() {
+            for &d in &t.devices {
+                self.owner[d] = Some(i);
+            }
         }
         self.runs[i].state = State::Running;
         self.runs[i].start = now;
@@ -281,21 +295,16 @@ impl Engine<'_> {
                 chunk,
                 chunk_fixed,
                 per_sample,
+                fill,
             } => {
                 if t.stream_from.is_some() {
                     self.next_chunk(i, now);
                 } else {
-                    // Everything is available: run the chunks back to back.
-                    let mut at = now;
-                    let mut left = *samples;
-                    while left > 0 {
-                        let n = left.min(*chunk);
-                        let end = at + chunk_fixed + per_sample * n as f64;
-                        self.span(i, &t.devices, format!("{} ×{n}", t.name), at, end);
-                        at = end;
-                        left -= n;
-                    }
-                    self.push(at, Event::Finish(i));
+                    // Everything is available: the chunks back to back, pipelined.
+                    let end =
+                        now + *fill + chunks_time(*samples, *chunk, *chunk_fixed, *per_sample);
+                    self.span(i, &t.devices, format!("{} ×{samples}", t.name), now, end);
+                    self.push(end, Event::Finish(i));
                 }
             }
         }
@@ -311,6 +320,7 @@ impl Engine<'_> {
             chunk,
             chunk_fixed,
             per_sample,
+            fill,
         } = &t.work
         else {
             return;
@@ -327,9 +337,20 @@ impl Engine<'_> {
         let available = self.runs[p.0].emitted;
         let pending = available.saturating_sub(run.processed);
         let producer_done = available >= *samples;
-        if pending >= *chunk || (producer_done && pending > 0) {
-            let n = pending.min(*chunk);
-            let end = now + chunk_fixed + per_sample * n as f64;
+        if (pending >= *chunk || (producer_done && pending > 0))
+            && t.devices.iter().all(|&d| self.owner[d].is_none())
+        {
+            // A pipelined consumer issues everything available back to back and pays the fill
+            // once; without stages, one chunk at a time (so consumers sharing devices alternate).
+            let n = if *fill > 0.0 {
+                pending
+            } else {
+                pending.min(*chunk)
+            };
+            let end = now + *fill + chunks_time(n, *chunk, *chunk_fixed, *per_sample);
+            for &d in &t.devices {
+                self.owner[d] = Some(i);
+            }
             self.runs[i].chunk_busy = true;
             self.span(i, &t.devices, format!("{} ×{n}", t.name), now, end);
             self.push(end, Event::ChunkDone(i, n));
@@ -356,6 +377,7 @@ impl Engine<'_> {
             max_len: lens.iter().copied().max().unwrap_or(0),
             migrated_at: trace.release.as_ref().map(|(at, _)| *at),
             samples_migrated: trace.migrated,
+            p90_at: quantile_time(&trace.emits, g.samples, 0.9).unwrap_or(trace.end),
             end: trace.end,
         });
     }
@@ -393,7 +415,10 @@ impl Engine<'_> {
             Event::ChunkDone(i, n) => {
                 self.runs[i].processed += n;
                 self.runs[i].chunk_busy = false;
-                self.next_chunk(i, now);
+                let devices = self.dag.tasks[i].devices.clone();
+                self.free_devices(i, &devices);
+                // Its next chunk or whatever else waits for these devices, in DAG order.
+                self.try_start_all(now);
             }
         }
     }
@@ -472,6 +497,27 @@ fn run_iteration(
         stages,
         generations,
     })
+}
+
+/// Time to run `n` samples in chunks of `chunk`, back to back (per stage when pipelined).
+fn chunks_time(n: u64, chunk: u64, chunk_fixed: f64, per_sample: f64) -> f64 {
+    let chunk = chunk.max(1);
+    n.div_ceil(chunk) as f64 * chunk_fixed + n as f64 * per_sample
+}
+
+/// When the `q`-quantile of `samples` had been emitted.
+fn quantile_time(emits: &[(f64, u64)], samples: u64, q: f64) -> Option<f64> {
+    let mut sorted = emits.to_vec();
+    sorted.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let want = (samples as f64 * q).ceil() as u64;
+    let mut seen = 0;
+    for (at, n) in sorted {
+        seen += n;
+        if seen >= want {
+            return Some(at);
+        }
+    }
+    None
 }
 
 /// What a generation does, computed when it starts (the lengths are drawn then).
@@ -639,17 +685,32 @@ fn trace_generation(
                 moved.extend(inst.drain());
                 released.extend(inst.devices.iter().copied());
             }
-            let bytes: f64 = moved
-                .iter()
-                .map(|&(_, ctx)| ctx as f64 * kv_per_token)
-                .sum();
-            let transfer = if moved.is_empty() {
-                0.0
+            // Each receiving instance gets every `keep`-th moved sample; each of its devices
+            // holds its tensor-parallel share of those KV caches and receives it over its own
+            // link: NVLink when the whole generation sits in one node, else its network port.
+            let d = &g.cost.device;
+            let node = g.cost.devices_per_node.max(1) as usize;
+            let one_node = devices.first().map(|f| f / node) == devices.last().map(|l| l / node);
+            let (bw, lat) = if one_node {
+                (d.intra_node_bandwidth, d.intra_node_latency)
             } else {
-                g.cost.device.intra_node_latency
-                    + bytes
-                        / (g.cost.device.intra_node_bandwidth * g.cost.device.network_efficiency)
+                (d.inter_node_bandwidth, d.inter_node_latency)
             };
+            let transfer = (0..keep)
+                .map(|k| {
+                    let bytes: f64 = moved
+                        .iter()
+                        .skip(k)
+                        .step_by(keep)
+                        .map(|&(_, ctx)| ctx as f64 * kv_per_token)
+                        .sum();
+                    if bytes > 0.0 {
+                        lat + bytes / per as f64 / (bw * d.network_efficiency)
+                    } else {
+                        0.0
+                    }
+                })
+                .fold(0.0, f64::max);
             trace.migrated = moved.len() as u64;
             let ready = t_m + transfer;
             for (k, inst) in insts.iter_mut().take(keep).enumerate() {

@@ -337,6 +337,83 @@ mod tests {
         }
     }
 
+    /// Two streaming consumers on the same freed devices share them chunk by chunk: the
+    /// second does not wait for the first to see the generation's last sample.
+    #[test]
+    fn streaming_consumers_on_shared_devices_interleave_their_chunks() {
+        let cost = CostModel::new(DeviceKind::H100.spec(), 8);
+        let model = ModelShape::preset("llama-7b").expect("preset");
+        let mut b = DagBuilder::new(8);
+        let generate = b.task(
+            "generate",
+            "generate",
+            0..8,
+            Work::Generate(Box::new(GenerateSpec {
+                samples: SAMPLES,
+                prompt_len: PROMPT,
+                instances: 8,
+                lengths: long_tail(),
+                model: model.clone(),
+                cost: cost.clone(),
+                migration: Some(Migration {
+                    threshold: 16,
+                    to_instances: 1,
+                }),
+            })),
+        );
+        for name in ["ref_logprobs", "values"] {
+            let work = Work::inference(&cost, &model, Layout::SINGLE, 7, SAMPLES, PROMPT + 256, 8);
+            let t = b.task(name, "inference", 1..8, work);
+            b.stream(t, generate);
+        }
+        let dag = b.build().expect("valid DAG");
+        let r = simulate(&dag, &SimOptions::default()).expect("runs");
+        check_timeline(&r, 8);
+        let it = &r.iterations[0];
+        let g = &it.generations[0];
+        let first = |name: &str| {
+            r.timeline
+                .iter()
+                .filter(|s| s.task == name && s.iteration == 0)
+                .map(|s| s.start)
+                .fold(f64::INFINITY, f64::min)
+        };
+        assert!(first("values") < g.end, "{} vs {}", first("values"), g.end);
+        assert!(first("ref_logprobs") < g.end);
+    }
+
+    /// Chunks issued back to back through pipeline stages overlap: `k` chunks take `k + pp − 1`
+    /// stage times, not `k · pp`.
+    #[test]
+    fn pipelined_inference_overlaps_its_chunks() {
+        let cost = CostModel::new(DeviceKind::H100.spec(), 8);
+        let model = ModelShape::preset("llama-7b").expect("preset");
+        let layout = Layout {
+            dp: 1,
+            tp: 1,
+            pp: 4,
+        };
+        let chunk = 8;
+        let work = Work::inference(&cost, &model, layout, 1, 64, 512, chunk);
+        let mut b = DagBuilder::new(4);
+        b.task("fwd", "inference", 0..4, work);
+        let r = simulate(
+            &b.build().expect("valid DAG"),
+            &SimOptions {
+                iterations: 1,
+                seed: 1,
+            },
+        )
+        .expect("runs");
+        let one = cost.forward_time(&model, layout, chunk, 512);
+        let want = (8.0 + 4.0 - 1.0) / 4.0 * one;
+        assert!(
+            (r.mean_iteration_time - want).abs() < 1e-9 * want.max(1.0),
+            "{} vs {want}",
+            r.mean_iteration_time
+        );
+    }
+
     #[test]
     fn histogram_lengths_drive_the_generation() {
         let hist = LengthDist::from_histogram("32 90\n900 10\n").expect("parses");
@@ -409,6 +486,7 @@ mod tests {
             chunk: 2,
             chunk_fixed: 0.0,
             per_sample: 1.0,
+            fill: 0.0,
         };
         type Make = Box<dyn Fn(&mut DagBuilder)>;
         let cases: Vec<(Make, &str)> = vec![
