@@ -172,7 +172,7 @@ fn target(s: &Selector) -> PinTarget {
 }
 
 /// The schedule's pins, and the pipeline-parameter names of each model slot.
-fn pins_of(program: &Program, plan: &braid_ir::graph::Plan) -> Pins {
+pub(crate) fn pins_of(program: &Program, plan: &braid_ir::graph::Plan) -> Pins {
     let mut pins = Pins::default();
     if let (Some(run), Some(pipeline)) = (
         &program.run,

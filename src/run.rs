@@ -118,6 +118,7 @@ fn execute(args: &Args) -> Result<(), Fail> {
     for note in speculation_from_planner(&file, &mut plan, device) {
         eprintln!("{note}");
     }
+    let no_stream = unstreamed(&plan, &crate::plan::pins_of(&checked.program, &plan));
 
     let resume = args.resume.is_some();
     if !resume && run_dir.exists() {
@@ -161,9 +162,25 @@ fn execute(args: &Args) -> Result<(), Fail> {
         steps: args.steps,
         checkpoint_every: args.checkpoint_every,
         fuse: !args.no_fuse,
+        no_stream,
         device,
     };
     let mut ex = Executor::new(&plan, options).map_err(runtime_err)?;
+    let names = plan.model_names();
+    let call = |id| {
+        plan.graph.node(id).map_or_else(String::new, |n| {
+            let model = n.op.model().and_then(|m| names.get(m as usize));
+            format!("{}({})", n.op.name(), model.map_or("", String::as_str))
+        })
+    };
+    for (g, on) in ex.streaming() {
+        if on.is_empty() {
+            eprintln!("{}: inference waits for the whole batch", call(g));
+        } else {
+            let list: Vec<String> = on.into_iter().map(call).collect();
+            eprintln!("streaming under {}: {}", call(g), list.join(", "));
+        }
+    }
     let total = ex.total_steps();
     let first = ex.first_step();
     eprintln!(
@@ -329,6 +346,45 @@ fn speculation_from_planner(
         }
     }
     notes
+}
+
+/// The consumers of a rollout the schedule's `fuse` pins keep from streaming: with `fuse off`
+/// every consumer of every `generate`; with `fuse GEN -> A, B`, the consumers of that
+/// generation other than the calls `A` and `B` select.
+fn unstreamed(
+    plan: &braid_ir::graph::Plan,
+    pins: &braid_passes::annotated::Pins,
+) -> std::collections::BTreeSet<braid_ir::graph::NodeId> {
+    let names = plan.model_names();
+    let selects = |t: &braid_passes::annotated::PinTarget, id| {
+        plan.graph.node(id).is_some_and(|n| {
+            let name =
+                n.op.model()
+                    .and_then(|m| names.get(m as usize))
+                    .map_or("", String::as_str);
+            pins.selects(t, &n.op, name)
+        })
+    };
+    let mut out = std::collections::BTreeSet::new();
+    for id in plan.graph.node_ids() {
+        if !matches!(
+            plan.graph.node(id).map(|n| &n.op),
+            Some(braid_ir::graph::Op::Generate { .. })
+        ) {
+            continue;
+        }
+        for c in plan.graph.consumers(id) {
+            let blocked = pins.fuse_off
+                || pins
+                    .fuse
+                    .iter()
+                    .any(|f| selects(&f.from, id) && !f.to.iter().any(|t| selects(t, c)));
+            if blocked {
+                out.insert(c);
+            }
+        }
+    }
+    out
 }
 
 fn clock(secs: f64) -> String {

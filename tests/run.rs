@@ -396,6 +396,74 @@ fn a_speculate_pin_changes_speed_not_results() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// The schedule's `fuse` pins decide which inference calls stream under generation in
+/// `braid run` (and `--no-fuse` turns all of it off); streaming changes when work runs, not
+/// what it computes.
+#[test]
+fn fuse_pins_choose_what_streams_under_generation() {
+    let dir = tmp("fuse");
+    let base = format!(
+        "use std::ppo\n{ALGO_MODELS}\nrun ppo_fn(policy, prompts, reward: vowels, critic: critic) {{\n  steps: 2\n  batch: 4\n  max_new_tokens: 6\n}}\n"
+    );
+    let cases = [
+        ("default", String::new(), None),
+        ("off", "fuse off".to_string(), None),
+        (
+            "values",
+            "fuse generate(policy) -> values(critic)".to_string(),
+            Some("streaming under generate(policy): values(critic)"),
+        ),
+    ];
+    let mut runs = Vec::new();
+    for (name, pin, expect) in &cases {
+        let file = dir.join(format!("{name}.rlhf"));
+        let src = if pin.is_empty() {
+            base.clone()
+        } else {
+            format!("{base}schedule {{\n  {pin}\n}}\n")
+        };
+        std::fs::write(&file, src).unwrap();
+        let run_dir = dir.join(name);
+        let out = braid(&[
+            "run",
+            file.to_str().unwrap(),
+            "--run-dir",
+            run_dir.to_str().unwrap(),
+        ]);
+        ok(&out);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let line = stderr
+            .lines()
+            .find(|l| l.contains("generate(policy)") && !l.starts_with("speculation"))
+            .unwrap_or_default()
+            .to_string();
+        match (*name, expect) {
+            ("default", _) => {
+                // Without pins every per-sample consumer streams: the reference's log-probs
+                // and the critic's values.
+                assert!(
+                    line.starts_with("streaming under generate(policy): "),
+                    "{stderr}"
+                );
+                assert!(
+                    line.contains("logprobs(ref)") && line.contains("values(critic)"),
+                    "{line}"
+                );
+            }
+            ("off", _) => assert_eq!(
+                line,
+                "generate(policy): inference waits for the whole batch"
+            ),
+            (_, Some(want)) => assert_eq!(line, *want),
+            _ => unreachable!(),
+        }
+        runs.push(comparable(&metrics(&run_dir)));
+    }
+    assert_eq!(runs[0], runs[1]);
+    assert_eq!(runs[0], runs[2]);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 const ALGO_MODELS: &str = r#"
 model policy = tiny(vocab: "bytes", layers: 1, hidden: 32, heads: 2, seed: 4) {
   train: adamw(lr: 1e-3, warmup: 1, schedule: "cosine")

@@ -17,7 +17,7 @@
 //!
 //! This module must not print: progress goes to the caller through [`Event`]s.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::mpsc;
@@ -61,6 +61,9 @@ pub struct RunOptions {
     pub checkpoint_every: Option<i64>,
     /// Stream inference under generation (inter-stage fusion).
     pub fuse: bool,
+    /// Consumers of a rollout that must wait for the whole batch even when `fuse` is on (the
+    /// schedule's `fuse off` / `fuse GEN -> A, B` pins, resolved by the caller).
+    pub no_stream: BTreeSet<NodeId>,
     pub device: Device,
 }
 
@@ -284,7 +287,7 @@ pub struct Executor<'p> {
     reward_node: Option<NodeId>,
     /// `logprobs` nodes of a trained model whose values are taken from that model's training
     /// forward pass instead of a separate inference pass.
-    reused: std::collections::BTreeSet<NodeId>,
+    reused: BTreeSet<NodeId>,
     total_steps: i64,
     first_step: i64,
 }
@@ -308,7 +311,7 @@ impl<'p> Executor<'p> {
         let reused = reusable_logprobs(plan);
         // Models that generate while a streamed consumer runs on the same model: they need a
         // replica to generate on.
-        let mut needs_replica: std::collections::BTreeSet<u32> = Default::default();
+        let mut needs_replica: BTreeSet<u32> = Default::default();
         for id in &order {
             let Some(node) = plan.graph.node(*id) else {
                 continue;
@@ -323,7 +326,7 @@ impl<'p> Executor<'p> {
             }
             if let Op::Generate { model, .. } = &node.op
                 && options.fuse
-                && streamed(plan, *id, &reused)
+                && streamed(plan, *id, &reused, &options.no_stream)
                     .iter()
                     .any(|c| plan.graph.node(*c).and_then(|n| n.op.model()) == Some(*model))
             {
@@ -436,6 +439,30 @@ impl<'p> Executor<'p> {
 
     pub fn total_steps(&self) -> i64 {
         self.total_steps
+    }
+
+    /// Per `generate`, the inference calls that stream under it (none with `fuse` off, or
+    /// where the schedule's `fuse` pins keep them waiting for the whole batch).
+    pub fn streaming(&self) -> Vec<(NodeId, Vec<NodeId>)> {
+        self.plan
+            .graph
+            .node_ids()
+            .into_iter()
+            .filter(|id| {
+                matches!(
+                    self.plan.graph.node(*id).map(|n| &n.op),
+                    Some(Op::Generate { .. })
+                )
+            })
+            .map(|g| {
+                let on = if self.options.fuse {
+                    streamed(self.plan, g, &self.reused, &self.options.no_stream)
+                } else {
+                    Vec::new()
+                };
+                (g, on)
+            })
+            .collect()
     }
 
     fn restore(&mut self) -> Result<()> {
@@ -859,7 +886,7 @@ impl<'p> Executor<'p> {
         };
         let temperature = f64::from(sampling.logprob_temperature());
         let consumers: Vec<NodeId> = if self.options.fuse {
-            streamed(self.plan, id, &self.reused)
+            streamed(self.plan, id, &self.reused, &self.options.no_stream)
         } else {
             Vec::new()
         };
@@ -1176,9 +1203,9 @@ impl<'p> Executor<'p> {
 /// its forward pass computes the model's log-probabilities before the update — exactly what
 /// the node stands for (TRL does the same when the update is on-policy). The values are taken,
 /// detached, from that forward pass; the node is filled in after the `train`.
-fn reusable_logprobs(plan: &Plan) -> std::collections::BTreeSet<NodeId> {
+fn reusable_logprobs(plan: &Plan) -> BTreeSet<NodeId> {
     let g = &plan.graph;
-    let mut out = std::collections::BTreeSet::new();
+    let mut out = BTreeSet::new();
     for id in g.node_ids() {
         let Some(Op::Logprobs { model }) = g.node(id).map(|n| &n.op) else {
             continue;
@@ -1225,13 +1252,15 @@ fn reusable_logprobs(plan: &Plan) -> std::collections::BTreeSet<NodeId> {
 fn streamed(
     plan: &Plan,
     generate: NodeId,
-    reused: &std::collections::BTreeSet<NodeId>,
+    reused: &BTreeSet<NodeId>,
+    no_stream: &BTreeSet<NodeId>,
 ) -> Vec<NodeId> {
     plan.graph
         .consumers(generate)
         .into_iter()
         .filter(|c| {
             !reused.contains(c)
+                && !no_stream.contains(c)
                 && plan.graph.node(*c).is_some_and(|n| {
                     matches!(
                         n.op,
