@@ -355,16 +355,6 @@ fn unstreamed(
     plan: &braid_ir::graph::Plan,
     pins: &braid_passes::annotated::Pins,
 ) -> std::collections::BTreeSet<braid_ir::graph::NodeId> {
-    let names = plan.model_names();
-    let selects = |t: &braid_passes::annotated::PinTarget, id| {
-        plan.graph.node(id).is_some_and(|n| {
-            let name =
-                n.op.model()
-                    .and_then(|m| names.get(m as usize))
-                    .map_or("", String::as_str);
-            pins.selects(t, &n.op, name)
-        })
-    };
     let mut out = std::collections::BTreeSet::new();
     for id in plan.graph.node_ids() {
         if !matches!(
@@ -375,10 +365,10 @@ fn unstreamed(
         }
         for c in plan.graph.consumers(id) {
             let blocked = pins.fuse_off
-                || pins
-                    .fuse
-                    .iter()
-                    .any(|f| selects(&f.from, id) && !f.to.iter().any(|t| selects(t, c)));
+                || pins.fuse.iter().any(|f| {
+                    pins.selects_call(plan, &f.from, id)
+                        && !f.to.iter().any(|t| pins.selects_call(plan, t, c))
+                });
             if blocked {
                 out.insert(c);
             }

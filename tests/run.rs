@@ -15,6 +15,16 @@ fn braid(args: &[&str]) -> Output {
         .expect("braid runs")
 }
 
+/// `braid run FILE --run-dir RUN_DIR`.
+fn run_into(file: &Path, run_dir: &Path) -> Output {
+    braid(&[
+        "run",
+        file.to_str().unwrap(),
+        "--run-dir",
+        run_dir.to_str().unwrap(),
+    ])
+}
+
 /// Asserts that a command succeeded, showing its stderr otherwise.
 fn ok(out: &Output) {
     assert!(
@@ -66,12 +76,7 @@ fn quickstart_learns_and_leaves_a_loadable_checkpoint() {
     let file = dir.join("quick.rlhf");
     std::fs::write(&file, src).unwrap();
     let run_dir = dir.join("run");
-    let out = braid(&[
-        "run",
-        file.to_str().unwrap(),
-        "--run-dir",
-        run_dir.to_str().unwrap(),
-    ]);
+    let out = run_into(&file, &run_dir);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
     assert!(stderr.contains("step 20/20"), "{stderr}");
@@ -140,12 +145,7 @@ fn quickstart_learns_and_leaves_a_loadable_checkpoint() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("metrics.jsonl"));
     // A second run into the same directory is refused without --resume or --overwrite.
-    let out = braid(&[
-        "run",
-        file.to_str().unwrap(),
-        "--run-dir",
-        run_dir.to_str().unwrap(),
-    ]);
+    let out = run_into(&file, &run_dir);
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("--resume"));
     let _ = std::fs::remove_dir_all(&dir);
@@ -240,12 +240,7 @@ fn a_run_killed_mid_step_resumes_without_losing_a_completed_step() {
     std::fs::write(&file, SMALL).unwrap();
     // The uninterrupted run.
     let full = dir.join("full");
-    let out = braid(&[
-        "run",
-        file.to_str().unwrap(),
-        "--run-dir",
-        full.to_str().unwrap(),
-    ]);
+    let out = run_into(&file, &full);
     ok(&out);
     let want = comparable(&metrics(&full));
     assert_eq!(want.len(), 10);
@@ -330,12 +325,7 @@ fn bad_inputs_name_the_file() {
     let file = dir.join("bad.rlhf");
     std::fs::write(&file, prog).unwrap();
     let run_dir = dir.join("run");
-    let out = braid(&[
-        "run",
-        file.to_str().unwrap(),
-        "--run-dir",
-        run_dir.to_str().unwrap(),
-    ]);
+    let out = run_into(&file, &run_dir);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(
@@ -345,12 +335,7 @@ fn bad_inputs_name_the_file() {
     // A program with errors is not run.
     let broken = dir.join("broken.rlhf");
     std::fs::write(&broken, SMALL.replace("reward: vowels", "reward: vowel")).unwrap();
-    let out = braid(&[
-        "run",
-        broken.to_str().unwrap(),
-        "--run-dir",
-        run_dir.to_str().unwrap(),
-    ]);
+    let out = run_into(&broken, &run_dir);
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("E0"));
     // Resuming something that is not a run directory.
@@ -381,12 +366,7 @@ fn a_speculate_pin_changes_speed_not_results() {
     let mut runs = Vec::new();
     for (name, file) in [("plain", &plain), ("pinned", &pinned)] {
         let run_dir = dir.join(name);
-        let out = braid(&[
-            "run",
-            file.to_str().unwrap(),
-            "--run-dir",
-            run_dir.to_str().unwrap(),
-        ]);
+        let out = run_into(file, &run_dir);
         ok(&out);
         runs.push(comparable(&metrics(&run_dir)));
     }
@@ -424,12 +404,7 @@ fn fuse_pins_choose_what_streams_under_generation() {
         };
         std::fs::write(&file, src).unwrap();
         let run_dir = dir.join(name);
-        let out = braid(&[
-            "run",
-            file.to_str().unwrap(),
-            "--run-dir",
-            run_dir.to_str().unwrap(),
-        ]);
+        let out = run_into(&file, &run_dir);
         ok(&out);
         let stderr = String::from_utf8_lossy(&out.stderr);
         let line = stderr
@@ -518,12 +493,7 @@ fn every_stdlib_algorithm_runs_as_its_pipeline() {
         let file = dir.join(format!("algo{i}.rlhf"));
         std::fs::write(&file, src).unwrap();
         let run_dir = dir.join(format!("run{i}"));
-        let out = braid(&[
-            "run",
-            file.to_str().unwrap(),
-            "--run-dir",
-            run_dir.to_str().unwrap(),
-        ]);
+        let out = run_into(&file, &run_dir);
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(out.status.success(), "{call}: {stderr}");
         let m = metrics(&run_dir);
@@ -602,12 +572,7 @@ fn the_trained_policy_loads_in_transformers() {
     let file = dir.join("small.rlhf");
     std::fs::write(&file, SMALL.replace("steps: 10", "steps: 3")).unwrap();
     let run_dir = dir.join("run");
-    let out = braid(&[
-        "run",
-        file.to_str().unwrap(),
-        "--run-dir",
-        run_dir.to_str().unwrap(),
-    ]);
+    let out = run_into(&file, &run_dir);
     ok(&out);
     let model = run_dir.join("checkpoints/step-000003/models/policy");
     let out = braid(&[

@@ -3,7 +3,7 @@
 //!
 //! For so few queries libtorch's CPU scaled-dot-product attention runs two small BLAS products
 //! (matrix-vector for a single query) per (row, head). Once the KV cache outgrows the last-level cache (a
-//! batch of 32 rows of the benchmark model at 100 positions holds 28 MB over 4 layers) those
+//! batch of 32 rows of the benchmark model at 108 positions holds 28 MB over 4 layers) those
 //! calls read it at about a third of the bandwidth the machine streams memory at, and
 //! attention became the largest part of a decode step. This kernel walks each (row, head)'s
 //! keys and then its values once, front to back, in f32.
@@ -17,14 +17,14 @@ use tch::{Device, Kind, Tensor};
 
 /// Most queries per row the kernel takes; longer blocks (prefill) are products libtorch's
 /// attention does well.
-pub(crate) const MAX_QUERIES: i64 = 17;
+pub const MAX_QUERIES: i64 = 17;
 
 /// Attention of `T` new queries per row. `q`: `[B, H, T, D]`; `keys`, `values`: the cache
 /// tensors `[B, Hkv, capacity, D]` (contiguous) with the new keys already written; `lens[b]`:
 /// row `b`'s length before them, so its `i`-th query sees `lens[b] + i + 1` positions. Returns
 /// `[B, T, H * D]`, the layout `attend` returns, or `None` when the inputs are not ones this
 /// kernel handles.
-pub(crate) fn decode_attention(
+pub fn decode_attention(
     q: &Tensor,
     keys: &Tensor,
     values: &Tensor,

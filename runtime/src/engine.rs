@@ -134,9 +134,6 @@ struct Speculator {
     /// `Some(k)`: always draft `k` tokens; `None`: choose per step, up to `max_len`.
     fixed: Option<usize>,
     max_len: usize,
-    /// Seconds of a step (without the draft model's passes) by tokens verified; starts from
-    /// what earlier requests measured with the same model (`Model::step_costs`).
-    target_cost: CostModel,
     /// Seconds of one draft-model pass by tokens fed.
     draft_cost: CostModel,
 }
@@ -180,7 +177,6 @@ impl Speculator {
             drafter,
             fixed,
             max_len: fixed.unwrap_or(max_len),
-            target_cost: model.step_costs(),
             draft_cost: CostModel::default(),
         }))
     }
@@ -670,22 +666,22 @@ impl Generation<'_> {
         }
         self.cache.retain_rows(&keep);
         self.running = still;
-        if let Some(sp) = &mut self.spec {
-            if let Drafter::Model { cache, .. } = &mut sp.drafter {
-                cache.retain_rows(&keep);
-                // The draft model's cache holds what it read while drafting; keep the part
-                // that is still the sample's text.
-                for (row, &want) in truncate.iter().enumerate() {
-                    let have = cache.lens()[row];
-                    if have > want {
-                        cache.truncate(row, want)?;
-                    }
+        if let Some(sp) = &mut self.spec
+            && let Drafter::Model { cache, .. } = &mut sp.drafter
+        {
+            cache.retain_rows(&keep);
+            // The draft model's cache holds what it read while drafting; keep the part that
+            // is still the sample's text.
+            for (row, &want) in truncate.iter().enumerate() {
+                let have = cache.lens()[row];
+                if have > want {
+                    cache.truncate(row, want)?;
                 }
             }
-            sp.target_cost
-                .observe(rows * t, start.elapsed().as_secs_f64() - draft_secs);
         }
         record.secs = start.elapsed().as_secs_f64();
+        // Seconds of a step without the draft model's passes, by tokens verified: kept on the
+        // model, so a request starts with what earlier ones measured.
         self.model.observe_step(rows * t, record.secs - draft_secs);
         self.steps.push(record);
         Ok(())
@@ -738,7 +734,9 @@ impl Generation<'_> {
                     Drafter::Model { .. } => Some(&sp.draft_cost),
                     Drafter::Ngram => None,
                 };
-                spec::choose_draft_len(&outlook, sp.max_len, &sp.target_cost, draft_cost)
+                self.model.with_step_costs(|target| {
+                    spec::choose_draft_len(&outlook, sp.max_len, target, draft_cost)
+                })
             }
         };
         if k == 0 {

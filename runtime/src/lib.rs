@@ -3,7 +3,7 @@
 //! compiler crates never depend on it. See docs/runtime.md for how models, the engine and its
 //! stream work, and the invariants with the tests that keep them.
 
-mod attention;
+pub mod attention;
 pub mod cache;
 pub mod checkpoint;
 pub mod config;

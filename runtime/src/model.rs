@@ -508,12 +508,12 @@ impl Model {
         &self.source
     }
 
-    /// The decode-step costs measured so far with this model (see `CostModel`).
-    pub(crate) fn step_costs(&self) -> CostModel {
-        self.step_costs
-            .lock()
-            .map(|c| c.clone())
-            .unwrap_or_default()
+    /// Calls `f` with the decode-step costs measured so far with this model (see `CostModel`).
+    pub(crate) fn with_step_costs<R>(&self, f: impl FnOnce(&CostModel) -> R) -> R {
+        match self.step_costs.lock() {
+            Ok(c) => f(&c),
+            Err(poisoned) => f(&poisoned.into_inner()),
+        }
     }
 
     /// Records a decode step over `tokens` tokens that took `secs`.

@@ -792,6 +792,12 @@ mod tests {
         };
         let k = choose_draft_len(&vec![outlook(&fresh); 32], 16, &c, None);
         assert!((1..=PROBE_MAX).contains(&k), "{k}");
+        // At the prior rate alone drafting does not pay: without optimism nothing is drafted.
+        let prior_only = RowOutlook {
+            alpha_hi: fresh.rate(),
+            ..outlook(&fresh)
+        };
+        assert_eq!(choose_draft_len(&vec![prior_only; 32], 16, &c, None), 0);
         // Once the drafts are seen to be rejected, the probing stops.
         let mut bad = Acceptance::default();
         for _ in 0..3 {

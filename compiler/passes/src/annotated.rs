@@ -101,9 +101,15 @@ pub struct Pins {
 }
 
 impl Pins {
-    /// Whether any pin's selector in `targets` selects `op` named `name`.
-    pub fn selects_any(&self, targets: &[PinTarget], op: &Op, name: &str) -> bool {
-        targets.iter().any(|t| self.selects(t, op, name))
+    /// Whether `target` selects call `id` of `plan`.
+    pub fn selects_call(&self, plan: &Plan, target: &PinTarget, id: NodeId) -> bool {
+        plan.graph.node(id).is_some_and(|n| {
+            let name =
+                n.op.model()
+                    .and_then(|m| plan.models.get(m as usize))
+                    .map_or("", |m| m.name.as_str());
+            self.selects(target, &n.op, name)
+        })
     }
 
     /// Whether `target` selects node `op` (on model slot `model`, named `name`).
@@ -338,10 +344,7 @@ impl Annotated {
 
     /// Whether pin selector `t` names call `id`.
     pub fn selected(&self, t: &PinTarget, id: NodeId) -> bool {
-        self.plan.graph.node(id).is_some_and(|n| {
-            let name = n.op.model().map(|m| self.model_name(m)).unwrap_or_default();
-            self.pins.selects(t, &n.op, &name)
-        })
+        self.pins.selects_call(&self.plan, t, id)
     }
 
     /// `generate(policy)`: how a call is named in messages.
