@@ -6,7 +6,10 @@
 //! * attention over 4 layers of KV caches too large to stay in the CPU cache together, by
 //!   libtorch's `scaled_dot_product_attention` and by Braid's decode kernel
 //!   (`braid_runtime::attention::decode_attention`), on the same tensors (checked to agree);
-//! * one whole `forward_cached` decode step of the model (which uses the kernel).
+//! * the linear layers of one step (29 products of 32 rows), by libtorch's `linear` and by
+//!   Braid's product kernel (`braid_runtime::gemm::linear`);
+//! * one whole `forward_cached` decode step of the model, as libtorch operations (with the
+//!   attention kernel) and on host memory with Braid's kernels (`step.rs`), interleaved.
 //!
 //! Usage: cargo run --release -p braid-runtime --example bench_decode_step [-- --repeats 30]
 
@@ -110,6 +113,49 @@ fn main() {
         mb / 1e3 / t_ker
     );
 
+    // The linear layers of one step: per layer q, k, v, o (256 x 256), gate and up
+    // (1024 x 256), down (256 x 1024); then the 1,000-way head.
+    let mut shapes = Vec::new();
+    for _ in 0..4 {
+        shapes.extend([(256, 256); 4]);
+        shapes.extend([(1024, 256), (1024, 256), (256, 1024)]);
+    }
+    shapes.push((1000, 256));
+    let weights: Vec<Tensor> = shapes
+        .iter()
+        .map(|&(n, k)| Tensor::randn([n, k], f32cpu))
+        .collect();
+    let inputs: Vec<Tensor> = shapes
+        .iter()
+        .map(|&(_, k)| Tensor::randn([b, 1, k], f32cpu))
+        .collect();
+    for (x, w) in inputs.iter().zip(&weights) {
+        let want = x.linear(w, None::<&Tensor>);
+        let got = braid_runtime::gemm::linear(x, w, None).expect("handled");
+        let diff = (want - got).abs().max().double_value(&[]);
+        assert!(diff < 1e-3, "kernel and libtorch products differ by {diff}");
+    }
+    let flops: i64 = shapes.iter().map(|&(n, k)| 2 * b * n * k).sum();
+    let t_lib = time(repeats, || {
+        for (x, w) in inputs.iter().zip(&weights) {
+            let _ = x.linear(w, None::<&Tensor>);
+        }
+    });
+    let t_ker = time(repeats, || {
+        for (x, w) in inputs.iter().zip(&weights) {
+            let _ = braid_runtime::gemm::linear(x, w, None);
+        }
+    });
+    println!(
+        "linear layers of one step, {b} rows ({} products, {:.0} MFLOP): libtorch {:.2} ms ({:.1} GFLOP/s), kernel {:.2} ms ({:.1} GFLOP/s)",
+        shapes.len(),
+        flops as f64 / 1e6,
+        t_lib * 1e3,
+        flops as f64 / 1e9 / t_lib,
+        t_ker * 1e3,
+        flops as f64 / 1e9 / t_ker
+    );
+
     let cfg = TinyConfig {
         layers: 4,
         hidden: 256,
@@ -125,21 +171,31 @@ fn main() {
     let _ = m.forward_cached(&mut cache, &prompt, &vec![len - 16; b as usize]);
     let one = Tensor::randint(250, [b, 1], (Kind::Int64, Device::Cpu));
     let valid = vec![1i64; b as usize];
-    let mut steps = Vec::new();
-    for _ in 0..repeats {
+    // The same step as libtorch operations and on host memory (`step.rs`), interleaved.
+    let (mut lib_steps, mut host_steps) = (Vec::new(), Vec::new());
+    for i in 0..2 * repeats {
         if cache.lens()[0] >= len + 16 {
             for r in 0..b as usize {
                 cache.truncate(r, len - 16).expect("rows exist");
             }
         }
+        let libtorch = i % 2 == 0;
+        m.set_libtorch_steps(libtorch);
         let t = Instant::now();
         let _ = m.forward_cached(&mut cache, &one, &valid);
-        steps.push(t.elapsed().as_secs_f64());
+        let secs = t.elapsed().as_secs_f64();
+        if libtorch {
+            &mut lib_steps
+        } else {
+            &mut host_steps
+        }
+        .push(secs);
     }
     println!(
-        "decode step (forward_cached), {b} rows at {}-{} positions: {:.2} ms",
+        "decode step (forward_cached), {b} rows at {}-{} positions: libtorch operations {:.2} ms, host-memory step {:.2} ms",
         len - 16,
         len + 16,
-        median(steps) * 1e3
+        median(lib_steps) * 1e3,
+        median(host_steps) * 1e3
     );
 }

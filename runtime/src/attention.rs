@@ -15,6 +15,9 @@
 
 use tch::{Device, Kind, Tensor};
 
+use crate::step::exp_f32;
+use crate::team::{self, Out};
+
 /// Most queries per row the kernel takes; longer blocks (prefill) are products libtorch's
 /// attention does well.
 pub const MAX_QUERIES: i64 = 17;
@@ -75,84 +78,112 @@ pub fn decode_attention(
         hkv,
         cap,
         d,
+        q_by_token: false,
     };
     let mut out = vec![0f32; b * t * h * d];
-    #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx2") {
-        // SAFETY: the CPU supports AVX2, checked just above.
-        #[allow(unsafe_code)]
-        unsafe {
-            attend_avx2(qs, ks, vs, lens, shape, &mut out)
-        };
-    } else {
-        attend_rows(qs, ks, vs, lens, shape, &mut out);
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    attend_rows(qs, ks, vs, lens, shape, &mut out);
+    attend_host(qs, ks, vs, lens, shape, &mut out);
     Some(Tensor::from_slice(&out).reshape([b as i64, t as i64, (h * d) as i64]))
 }
 
-/// Sizes of a `decode_attention` call.
-#[derive(Clone, Copy)]
-struct Shape {
-    b: usize,
-    h: usize,
-    t: usize,
-    hkv: usize,
-    cap: usize,
-    d: usize,
+/// The kernel on host slices: `qs` laid out `[B, H, T, D]`, or `[B, T, H, D]` when
+/// `s.q_by_token` (the layout the query projection produces); `ks`, `vs`: `[B, Hkv, cap, D]`;
+/// `out`: `[B, T, H, D]`.
+pub(crate) fn attend_host(
+    qs: &[f32],
+    ks: &[f32],
+    vs: &[f32],
+    lens: &[i64],
+    s: Shape,
+    out: &mut [f32],
+) {
+    assert!(out.len() >= s.b * s.t * s.h * s.d && lens.len() >= s.b);
+    let o = Out::new(out);
+    // Rows are independent: the calling thread and the kernel team (`team.rs`) take them one
+    // at a time, each writing only its own row's outputs.
+    let threads = (tch::get_num_threads().max(1) as usize).min(s.b);
+    team::for_each_chunk(threads, s.b, &|row| {
+        #[cfg(target_arch = "x86_64")]
+        if std::is_x86_feature_detected!("avx2") {
+            // SAFETY: the CPU supports AVX2, checked just above.
+            #[allow(unsafe_code)]
+            unsafe {
+                attend_avx2(qs, ks, vs, lens, s, row, o)
+            };
+            return;
+        }
+        attend_row(qs, ks, vs, lens, s, row, o);
+    });
 }
 
-/// `attend_rows` compiled for AVX2: eight floats per vector instruction instead of four.
+/// Sizes of a `decode_attention` call: rows, query heads, new tokens per row, key/value heads,
+/// cache capacity, head size, and the query layout (see `attend_host`).
+#[derive(Clone, Copy)]
+pub(crate) struct Shape {
+    pub b: usize,
+    pub h: usize,
+    pub t: usize,
+    pub hkv: usize,
+    pub cap: usize,
+    pub d: usize,
+    pub q_by_token: bool,
+}
+
+/// `attend_row` compiled for AVX2: eight floats per vector instruction instead of four.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-fn attend_avx2(qs: &[f32], ks: &[f32], vs: &[f32], lens: &[i64], s: Shape, out: &mut [f32]) {
-    attend_rows(qs, ks, vs, lens, s, out);
+fn attend_avx2(qs: &[f32], ks: &[f32], vs: &[f32], lens: &[i64], s: Shape, row: usize, out: Out) {
+    attend_row(qs, ks, vs, lens, s, row, out);
 }
 
-/// The kernel: for every (row, head, query), scores against the keys the query sees, softmax,
-/// and the weighted sum of their values. A row's keys and values are a few tens of KB, so the
-/// queries after the first read them from cache.
+/// The kernel for one row: for every (head, query), scores against the keys the query sees,
+/// softmax, and the weighted sum of their values. A row's keys and values are a few tens of
+/// KB, so the queries after the first read them from cache.
 #[inline(always)]
-fn attend_rows(qs: &[f32], ks: &[f32], vs: &[f32], lens: &[i64], s: Shape, out: &mut [f32]) {
+fn attend_row(qs: &[f32], ks: &[f32], vs: &[f32], lens: &[i64], s: Shape, row: usize, out: Out) {
     let Shape {
-        b,
         h,
         t,
         hkv,
         cap,
         d,
+        q_by_token,
+        ..
     } = s;
     let rep = h / hkv;
     let scale = 1.0 / (d as f32).sqrt();
     let mut scores = vec![0f32; cap];
-    for row in 0..b {
-        for head in 0..h {
-            let base = (row * hkv + head / rep) * cap * d;
-            for i in 0..t {
-                let n = lens[row] as usize + i + 1;
-                let query = &qs[((row * h + head) * t + i) * d..][..d];
-                let mut max = f32::NEG_INFINITY;
-                for (l, s) in scores[..n].iter_mut().enumerate() {
-                    *s = dot(query, &ks[base + l * d..][..d]) * scale;
-                    max = max.max(*s);
+    let mut o = vec![0f32; d];
+    for head in 0..h {
+        let base = (row * hkv + head / rep) * cap * d;
+        for i in 0..t {
+            let n = lens[row] as usize + i + 1;
+            let at = if q_by_token {
+                ((row * t + i) * h + head) * d
+            } else {
+                ((row * h + head) * t + i) * d
+            };
+            let query = &qs[at..][..d];
+            let mut max = f32::NEG_INFINITY;
+            for (l, s) in scores[..n].iter_mut().enumerate() {
+                *s = dot(query, &ks[base + l * d..][..d]) * scale;
+                max = max.max(*s);
+            }
+            let mut sum = 0f32;
+            for s in &mut scores[..n] {
+                *s = exp_f32(*s - max);
+                sum += *s;
+            }
+            o.fill(0.0);
+            for (l, &p) in scores[..n].iter().enumerate() {
+                let v = &vs[base + l * d..][..d];
+                for (o, &v) in o.iter_mut().zip(v) {
+                    *o += p * v;
                 }
-                let mut sum = 0f32;
-                for s in &mut scores[..n] {
-                    *s = (*s - max).exp();
-                    sum += *s;
-                }
-                let o = &mut out[((row * t + i) * h + head) * d..][..d];
-                for (l, &p) in scores[..n].iter().enumerate() {
-                    let v = &vs[base + l * d..][..d];
-                    for (o, &v) in o.iter_mut().zip(v) {
-                        *o += p * v;
-                    }
-                }
-                let inv = 1.0 / sum;
-                for o in o.iter_mut() {
-                    *o *= inv;
-                }
+            }
+            let inv = 1.0 / sum;
+            let at = ((row * t + i) * h + head) * d;
+            for (j, &o) in o.iter().enumerate() {
+                out.set(at + j, o * inv);
             }
         }
     }

@@ -403,10 +403,9 @@ impl Generation<'_> {
             let hidden = self.model.forward_cached(&mut cache, &ids, &lens);
             let rows = Tensor::arange(chunk.len() as i64, (Kind::Int64, hidden.device()));
             let last = Tensor::from_slice(&lens).to_device(hidden.device()) - 1;
-            let logits = tch::no_grad(|| {
-                self.model
-                    .apply_head(&hidden.index(&[Some(rows), Some(last)]))
-            });
+            let logits = self
+                .model
+                .apply_head_cached(&hidden.index(&[Some(rows), Some(last)]));
             let flat = to_host(&logits)?;
             let v = flat.len() / chunk.len().max(1);
             let rows = chunk
@@ -594,7 +593,7 @@ impl Generation<'_> {
         let ids = Tensor::from_slice(&ids).reshape([rows as i64, t as i64]);
         let hidden = self.model.forward_cached(&mut self.cache, &ids, &valid);
         let logits = if k == 0 {
-            tch::no_grad(|| self.model.apply_head(&hidden.squeeze_dim(1)))
+            self.model.apply_head_cached(&hidden.squeeze_dim(1))
         } else {
             // Only the positions that verify something: row r's first 1 + drafts.
             let mut at = Vec::with_capacity(valid.iter().sum::<i64>() as usize);
@@ -603,7 +602,7 @@ impl Generation<'_> {
             }
             let at = Tensor::from_slice(&at).to_device(hidden.device());
             let flat = hidden.reshape([(rows * t) as i64, -1]).index_select(0, &at);
-            tch::no_grad(|| self.model.apply_head(&flat))
+            self.model.apply_head_cached(&flat)
         };
         let flat = to_host(&logits)?;
         let positions: usize = valid.iter().map(|&n| n as usize).sum();
@@ -798,7 +797,7 @@ impl Generation<'_> {
             let hidden = model.forward_cached(cache, &ids, &valid);
             let r = Tensor::arange(rows as i64, (Kind::Int64, hidden.device()));
             let at = Tensor::from_slice(&last).to_device(hidden.device());
-            let logits = tch::no_grad(|| model.apply_head(&hidden.index(&[Some(r), Some(at)])));
+            let logits = model.apply_head_cached(&hidden.index(&[Some(r), Some(at)]));
             let flat = to_host(&logits)?;
             draft_cost.observe(rows * ids.size()[1] as usize, t0.elapsed().as_secs_f64());
             vocab = flat.len() / rows.max(1);

@@ -19,8 +19,10 @@ use crate::attention::{MAX_QUERIES, decode_attention};
 use crate::cache::KvCache;
 use crate::config::{Activation, Arch, ModelConfig, RopeScaling};
 use crate::error::{Error, Result};
+use crate::gemm;
 use crate::rng::Rng;
 use crate::spec::CostModel;
+use crate::step;
 use crate::weights::WeightFiles;
 
 /// What a model computes on top of its final hidden states.
@@ -75,6 +77,12 @@ struct Linear {
 impl Linear {
     fn forward(&self, x: &Tensor) -> Tensor {
         x.linear(&self.weight, self.bias.as_ref())
+    }
+
+    /// The product in a cached step (under `no_grad`): Braid's kernel for the thin blocks of
+    /// rows decode and verification steps make on the CPU (`gemm.rs`), libtorch otherwise.
+    fn forward_step(&self, x: &Tensor) -> Tensor {
+        gemm::linear(x, &self.weight, self.bias.as_ref()).unwrap_or_else(|| self.forward(x))
     }
 }
 
@@ -143,6 +151,8 @@ pub struct Model {
     /// so that speculative decoding's policy does not re-learn them every call (an RLHF run
     /// generates with the same model every iteration).
     step_costs: std::sync::Mutex<CostModel>,
+    /// Cached steps use libtorch operations only, none of Braid's CPU kernels.
+    libtorch_steps: std::sync::atomic::AtomicBool,
 }
 
 /// Collects parameters while the model is built, so that they can be filled afterwards.
@@ -470,6 +480,7 @@ impl Model {
             device,
             source,
             step_costs: std::sync::Mutex::new(CostModel::default()),
+            libtorch_steps: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -590,9 +601,9 @@ impl Model {
                     } else {
                         full.shallow_clone()
                     };
-                    let (q, k, v) = self.llama_qkv(layer, &x, &cos, &sin);
+                    let (q, k, v) = self.llama_qkv(layer, &x, (&cos, &sin), false);
                     let a = attend(&q, &k, &v, &mask);
-                    x = self.llama_rest(layer, x, &a);
+                    x = self.llama_rest(layer, x, &a, false);
                 }
                 rms_norm(&x, norm, self.config.norm_eps)
             }
@@ -638,6 +649,17 @@ impl Model {
         }
     }
 
+    /// `apply_head` for hidden states of a cached step (`forward_cached`), without gradients:
+    /// the language-model head of a few rows on the CPU goes through Braid's kernel.
+    pub fn apply_head_cached(&self, hidden: &Tensor) -> Tensor {
+        tch::no_grad(|| match (self.head, &self.lm_head) {
+            (Head::Lm, Some(w)) if self.host_step_enabled() => {
+                gemm::linear(hidden, w, None).unwrap_or_else(|| self.apply_head(hidden))
+            }
+            _ => self.apply_head(hidden),
+        })
+    }
+
     /// Appends `ids` (`[rows, T]`) to every row of `cache` and returns the final hidden states
     /// `[rows, T, hidden]` of the new tokens. Row `r` advances by `valid[r]` positions: a
     /// right-padded prefill passes each prompt's true length, and the pad tokens' entries stay
@@ -652,6 +674,14 @@ impl Model {
         let lens = cache.lens().to_vec();
         let used = lens.iter().map(|l| l + t).max().unwrap_or(t);
         cache.reserve(used);
+        // Decode and verification steps of a Llama body on the CPU in f32 run on host memory
+        // (`step.rs`); it declines what it does not handle.
+        if self.host_step_enabled()
+            && let Some(out) = self.llama_host_step(cache, ids, &lens)
+        {
+            cache.advance(valid);
+            return out;
+        }
         let cap = cache.capacity();
         let hkv = self.config.num_kv_heads;
         let hd = self.config.head_dim;
@@ -680,7 +710,8 @@ impl Model {
         let ids = ids.to_device(dev);
         // Decode and verification steps (a few new tokens per row) attend with a kernel of
         // their own on the CPU (`attention.rs`); it declines what it does not handle.
-        let few_queries = t <= MAX_QUERIES;
+        let kernels = self.host_step_enabled();
+        let few_queries = t <= MAX_QUERIES && kernels;
         let write_and_read =
             |cache: &mut KvCache, l: usize, k: &Tensor, v: &Tensor| -> (Tensor, Tensor) {
                 let idx = [Some(bh.shallow_clone()), Some(at.shallow_clone())];
@@ -714,13 +745,13 @@ impl Model {
                     } else {
                         full.shallow_clone()
                     };
-                    let (q, k, v) = self.llama_qkv(layer, &x, &cos, &sin);
+                    let (q, k, v) = self.llama_qkv(layer, &x, (&cos, &sin), kernels);
                     let (kc, vc) = write_and_read(cache, l, &k, &v);
                     let a = (few_queries && layer.window.is_none())
                         .then(|| decode_attention(&q, &cache.keys[l], &cache.values[l], &lens))
                         .flatten()
                         .unwrap_or_else(|| attend(&q, &kc, &vc, &mask));
-                    x = self.llama_rest(layer, x, &a);
+                    x = self.llama_rest(layer, x, &a, kernels);
                 }
                 rms_norm(&x, norm, self.config.norm_eps)
             }
@@ -754,6 +785,125 @@ impl Model {
         out
     }
 
+    /// Whether cached steps may use Braid's CPU kernels: the host-memory step (`step.rs`), the
+    /// product kernel (`gemm.rs`) and the attention kernel (`attention.rs`). Tests and
+    /// benchmarks turn them off to compare with libtorch operations.
+    fn host_step_enabled(&self) -> bool {
+        !self
+            .libtorch_steps
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Makes cached steps use libtorch operations only, none of Braid's CPU kernels (for tests
+    /// and benchmarks that compare the two).
+    #[doc(hidden)]
+    pub fn set_libtorch_steps(&self, on: bool) {
+        self.libtorch_steps
+            .store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// A cached step of a Llama body on host memory (`step.rs`), or `None` where that path
+    /// does not apply: another architecture or device, a dtype other than f32, more than
+    /// `MAX_QUERIES` new tokens per row (prefill), a sliding window, a tensor that is not
+    /// contiguous, or a token id outside the vocabulary (left to libtorch's error).
+    fn llama_host_step(&self, cache: &mut KvCache, ids: &Tensor, lens: &[i64]) -> Option<Tensor> {
+        let Body::Llama {
+            embed,
+            layers,
+            norm,
+            inv_freq,
+        } = &self.body
+        else {
+            return None;
+        };
+        let c = &self.config;
+        let (b, t) = ids.size2().ok()?;
+        if self.device != Device::Cpu
+            || self.kind != Kind::Float
+            || !(1..=MAX_QUERIES).contains(&t)
+            || layers.iter().any(|l| l.window.is_some())
+            || ids.device() != Device::Cpu
+            || lens.len() != b as usize
+        {
+            return None;
+        }
+        let (rows, t_) = (b as usize, t as usize);
+        let hidden = c.hidden_size as usize;
+        let ids_host = Vec::<i64>::try_from(ids.reshape([-1])).ok()?;
+        let table = step::host(embed)?;
+        let vocab = table.len() / hidden.max(1);
+        let mut x = Vec::with_capacity(rows * t_ * hidden);
+        for &id in &ids_host {
+            let id = usize::try_from(id).ok().filter(|&i| i < vocab)?;
+            x.extend_from_slice(&table[id * hidden..(id + 1) * hidden]);
+        }
+        let q_pos: Vec<i64> = lens
+            .iter()
+            .flat_map(|&l| (0..t).map(move |i| l + i))
+            .collect();
+        let pos = Tensor::from_slice(&q_pos).reshape([b, t]);
+        let (cos, sin) = self.rope(inv_freq, &pos);
+        let (cos, sin) = (cos.contiguous(), sin.contiguous());
+        fn lin(l: &Linear) -> Option<step::Lin<'_>> {
+            Some(step::Lin {
+                w: step::host(&l.weight)?,
+                b: match &l.bias {
+                    Some(b) => Some(step::host(b)?),
+                    None => None,
+                },
+            })
+        }
+        let views = layers
+            .iter()
+            .map(|l| {
+                Some(step::LayerView {
+                    q: lin(&l.q)?,
+                    k: lin(&l.k)?,
+                    v: lin(&l.v)?,
+                    o: lin(&l.o)?,
+                    gate: lin(&l.gate)?,
+                    up: lin(&l.up)?,
+                    down: lin(&l.down)?,
+                    input_norm: step::host(&l.input_norm)?,
+                    post_norm: step::host(&l.post_norm)?,
+                })
+            })
+            .collect::<Option<Vec<_>>>()?;
+        let cap = cache.capacity() as usize;
+        let mut caches = cache
+            .keys
+            .iter_mut()
+            .zip(cache.values.iter_mut())
+            .map(|(k, v)| Some((step::host_mut(k)?, step::host_mut(v)?)))
+            .collect::<Option<Vec<_>>>()?;
+        let dims = step::Dims {
+            rows,
+            t: t_,
+            hidden,
+            heads: c.num_heads as usize,
+            kv_heads: c.num_kv_heads as usize,
+            head_dim: c.head_dim as usize,
+            intermediate: c.intermediate_size as usize,
+            cap,
+            eps: c.norm_eps as f32,
+        };
+        let kv = dims.rows * dims.kv_heads * cap * dims.head_dim;
+        if caches.iter().any(|(k, v)| k.len() != kv || v.len() != kv) {
+            return None;
+        }
+        step::llama_layers(
+            &mut x,
+            &views,
+            &mut caches,
+            lens,
+            (step::host(&cos)?, step::host(&sin)?),
+            dims,
+        );
+        let mut out = vec![0f32; x.len()];
+        step::rms_norm(&x, step::host(norm)?, dims.eps, &mut out);
+        Some(Tensor::from_slice(&out).reshape([b, t, c.hidden_size]))
+    }
+
     /// cos and signed sin (`[-sin, sin]`, see `apply_rope`) `[B, 1, T, D]` for positions `[B, T]`,
     /// computed in f32 as transformers does.
     fn rope(&self, inv_freq: &Tensor, pos: &Tensor) -> (Tensor, Tensor) {
@@ -764,29 +914,32 @@ impl Model {
         (cos.to_kind(self.kind), sin_signed.to_kind(self.kind))
     }
 
+    /// Queries, keys and values of a Llama layer; `step` marks a cached step under `no_grad`,
+    /// whose products may use Braid's kernel (`Linear::forward_step`).
     fn llama_qkv(
         &self,
         layer: &LlamaLayer,
         x: &Tensor,
-        cos: &Tensor,
-        sin: &Tensor,
+        (cos, sin): (&Tensor, &Tensor),
+        step: bool,
     ) -> (Tensor, Tensor, Tensor) {
         let c = &self.config;
         let (b, t, _) = x.size3().unwrap_or((0, 0, 0));
         let h = rms_norm(x, &layer.input_norm, c.norm_eps);
-        let q = layer
-            .q
-            .forward(&h)
+        let lin = |l: &Linear| {
+            if step {
+                l.forward_step(&h)
+            } else {
+                l.forward(&h)
+            }
+        };
+        let q = lin(&layer.q)
             .view([b, t, c.num_heads, c.head_dim])
             .transpose(1, 2);
-        let k = layer
-            .k
-            .forward(&h)
+        let k = lin(&layer.k)
             .view([b, t, c.num_kv_heads, c.head_dim])
             .transpose(1, 2);
-        let v = layer
-            .v
-            .forward(&h)
+        let v = lin(&layer.v)
             .view([b, t, c.num_kv_heads, c.head_dim])
             .transpose(1, 2);
         let q = apply_rope(&q, cos, sin);
@@ -794,12 +947,21 @@ impl Model {
         (q, k, v)
     }
 
-    fn llama_rest(&self, layer: &LlamaLayer, x: Tensor, attn: &Tensor) -> Tensor {
-        let x = x + layer.o.forward(attn);
+    /// The rest of a Llama layer after attention; `step` as in `llama_qkv`.
+    fn llama_rest(&self, layer: &LlamaLayer, x: Tensor, attn: &Tensor, step: bool) -> Tensor {
+        let lin = |l: &Linear, x: &Tensor| {
+            if step {
+                l.forward_step(x)
+            } else {
+                l.forward(x)
+            }
+        };
+        let x = x + lin(&layer.o, attn);
         let h = rms_norm(&x, &layer.post_norm, self.config.norm_eps);
-        let m = layer
-            .down
-            .forward(&(layer.gate.forward(&h).silu() * layer.up.forward(&h)));
+        let m = lin(
+            &layer.down,
+            &(lin(&layer.gate, &h).silu() * lin(&layer.up, &h)),
+        );
         x + m
     }
 
@@ -952,6 +1114,51 @@ mod tests {
         let r = tch::no_grad(|| m.forward(&right, Some(&right_mask))).narrow(1, 0, 4);
         assert!(plain.allclose(&l, 1e-5, 1e-5, false));
         assert!(plain.allclose(&r, 1e-5, 1e-5, false));
+    }
+
+    /// Cached steps on host memory (`step.rs`) against the same steps as libtorch operations:
+    /// a prefill of rows of different lengths, decode steps, and a verification block of
+    /// several tokens per row, on a model with grouped-query attention. (The parity tests
+    /// cover attention biases and rope scaling through the engine, which uses this path.)
+    #[test]
+    fn host_steps_agree_with_libtorch_steps() {
+        crate::device::set_cpu_threads(1);
+        let cfg = TinyConfig {
+            layers: 3,
+            hidden: 96,
+            heads: 6,
+            kv_heads: 2,
+            intermediate: 200,
+            ..TinyConfig::default()
+        };
+        let (m, _) = tiny(&cfg, Head::Lm, Device::Cpu).unwrap();
+        let run = |libtorch: bool| {
+            m.set_libtorch_steps(libtorch);
+            let mut cache = m.new_cache(3);
+            let prompt =
+                Tensor::from_slice(&[256i64, 10, 20, 30, 40, 256, 7, 0, 0, 0, 256, 9, 8, 7, 6])
+                    .reshape([3, 5]);
+            let mut outs = vec![m.forward_cached(&mut cache, &prompt, &[5, 2, 5])];
+            for step in 0..4i64 {
+                let ids = Tensor::from_slice(&[step + 60, step + 70, step + 80]).unsqueeze(1);
+                outs.push(m.forward_cached(&mut cache, &ids, &[1, 1, 1]));
+            }
+            let block = Tensor::arange_start(100, 112, (Kind::Int64, Device::Cpu)).reshape([3, 4]);
+            outs.push(m.forward_cached(&mut cache, &block, &[4, 4, 4]));
+            m.set_libtorch_steps(false);
+            (outs, cache.lens().to_vec())
+        };
+        let (host, host_lens) = run(false);
+        let (lib, lib_lens) = run(true);
+        assert_eq!(host_lens, lib_lens);
+        for (i, (h, l)) in host.iter().zip(&lib).enumerate() {
+            assert_eq!(h.size(), l.size());
+            let diff = (h - l).abs().max().double_value(&[]);
+            assert!(
+                diff < 1e-4,
+                "call {i}: host and libtorch steps differ by {diff}"
+            );
+        }
     }
 
     #[test]
