@@ -96,6 +96,28 @@ pub fn to_dag(a: &Annotated, fusion: bool) -> Result<(Dag, BTreeMap<NodeId, Task
     } else {
         BTreeMap::new()
     };
+    // Streaming consumers of a generation that run on its own model in its own layout, on
+    // devices it frees: their weights are the generation's, already in place, so nothing is
+    // resharded into them, and what follows them reshards from the generation's layout.
+    let in_gen_layout: BTreeMap<NodeId, (NodeId, Placement)> = if fusion {
+        a.decisions
+            .streams
+            .iter()
+            .filter(|(_, s)| s.cut == Cut::Sample)
+            .filter_map(|(&id, s)| {
+                let gp = placements.get(&s.generate)?;
+                let sub = a.decisions.subtask_placements.get(&id)?;
+                let model = |n: NodeId| g.node(n).and_then(|x| x.op.model());
+                let m = model(id)?;
+                let shape = a.shape(m)?;
+                let in_place = model(s.generate) == Some(m)
+                    && estimate::reshard_bytes(shape, a.cost.dtype_bytes, gp, sub).0 == 0;
+                in_place.then_some((id, (s.generate, *gp)))
+            })
+            .collect()
+    } else {
+        BTreeMap::new()
+    };
     let mut pending_after: Vec<(NodeId, NodeId)> = Vec::new();
     for &id in &order {
         let Some(node) = g.node(id) else { continue };
@@ -115,6 +137,9 @@ pub fn to_dag(a: &Annotated, fusion: bool) -> Result<(Dag, BTreeMap<NodeId, Task
             if before != Some(id) {
                 continue;
             }
+            if after.is_some_and(|x| in_gen_layout.get(&id).is_some_and(|(g_id, _)| *g_id == x)) {
+                continue;
+            }
             let backwards = after.is_some_and(|x| pos.get(&x) >= pos.get(&id));
             if backwards {
                 // Back to the first layout for the next iteration: at the end.
@@ -123,9 +148,15 @@ pub fn to_dag(a: &Annotated, fusion: bool) -> Result<(Dag, BTreeMap<NodeId, Task
                 }
                 continue;
             }
-            let secs = a.decisions.transfers.get(&t).map_or(0.0, |d| d.seconds);
             let Some(p) = placements.get(&id) else {
                 continue;
+            };
+            let secs = match (&tn.op, after.and_then(|x| in_gen_layout.get(&x))) {
+                (Op::Reshard { model, .. }, Some((_, gp))) => a.shape(*model).map_or(0.0, |sh| {
+                    let (_, most) = estimate::reshard_bytes(sh, a.cost.dtype_bytes, gp, p);
+                    estimate::reshard_seconds(a, most, gp, p)
+                }),
+                _ => a.decisions.transfers.get(&t).map_or(0.0, |d| d.seconds),
             };
             let task = b.task(
                 &format!("{t} {}", tn.op.name()),

@@ -286,3 +286,40 @@ fn an_interleave_pin_that_cannot_hold_says_why() {
     assert!(text.contains("`interleave` pin"), "{text}");
     insta::assert_snapshot!("pin_interleave_impossible__ppo_tiny_1x1xH100", text);
 }
+
+/// The generating model's own log-probs stream in the generation's layout on the devices
+/// migration frees: its weights are already there, so no reshard after the generation holds
+/// them back, and they start before the generation ends.
+#[test]
+fn the_policys_logprobs_stream_in_the_generations_layout() {
+    let a = planned(ppo_7b(), "2x8xH100", Pins::default());
+    let id = |name: &str| {
+        a.calls()
+            .into_iter()
+            .find(|i| a.call_name(*i) == name)
+            .unwrap()
+    };
+    let (g, lp) = (id("generate(actor)"), id("logprobs(actor)"));
+    assert!(a.decisions.migrations.contains_key(&g));
+    let gp = braid_passes::estimate::placements(&a)[&g];
+    let sub = a.decisions.subtask_placements[&lp];
+    assert_eq!((sub.tp, sub.pp), (gp.tp, gp.pp));
+    let (dag, tasks) = braid_passes::to_sim::to_dag(&a, true).unwrap();
+    let name = &dag.tasks[tasks[&lp].0].name;
+    let opts = braid_passes::sim::SimOptions {
+        iterations: 1,
+        seed: a.seed,
+    };
+    let r = braid_passes::sim::simulate(&dag, &opts).unwrap();
+    let start = r
+        .timeline
+        .iter()
+        .filter(|s| &s.task == name)
+        .map(|s| s.start)
+        .fold(f64::INFINITY, f64::min);
+    let end = r.iterations[0].generations[0].end;
+    assert!(
+        start < end,
+        "{name} starts at {start}, the generation ends at {end}"
+    );
+}

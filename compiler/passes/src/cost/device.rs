@@ -97,6 +97,23 @@ fn gpu(kind: DeviceKind, flops: f64, hbm: f64, mem_gb: u64, nvlink: f64, net: f6
         // Per-collective latency: a few microseconds on NVLink, more across nodes.
         intra_node_latency: 10e-6,
         inter_node_latency: 30e-6,
+        // A decode step's fixed time per layer beyond its weight and KV reads and its
+        // all-reduces: the small kernels (norms, rotary, attention at small batch, activation,
+        // residual adds), each with a minimum duration, and their launch gaps. Fitted to
+        // published end-to-end decode latencies at batch 1–10 by subtracting what this model
+        // charges without it:
+        // - Llama-3-8B bf16, tp 8 on 8×H100, vLLM 0.6.0: 3.1–3.3 ms per token
+        //   (LambdaLabsML/vllm-benchmark, results/prompt_10/8xH100-80GB-SXM); the model
+        //   charges 1.47 ms, leaving 51–56 µs per layer;
+        // - Llama-3-70B bf16, tp 8, same source: 11.3–12.2 ms; 8.83 ms charged, 31–42 µs;
+        // - Llama-3.3-70B fp8, tp 2 on 2×H100, NVIDIA NIM 1.8 (docs.nvidia.com/nim/benchmarking,
+        //   "Performance", 500 in / 2000 out, concurrency 1): 18.9 ms; 15.7 ms charged, 40 µs;
+        // - Llama-3.1-8B bf16, tp 1 on A100-40GB, vLLM 0.23 (johnmusgrave.com, "vLLM
+        //   throughput-latency sweep on NVIDIA A100"): 13.3 ms; 13.8 ms charged, nothing left.
+        // 30 µs puts the model 22–26 % under the first, 1–8 % and 4 % under the 70B ones and
+        // 11 % over the last. Without it a 13B decode step at tp 8 was about half the measured
+        // time of a smaller model's.
+        decode_layer_overhead: 30e-6,
         // CUDA context, cuBLAS workspace and allocator fragmentation.
         reserved_memory: 3 * GIB,
     }
@@ -117,6 +134,9 @@ pub struct DeviceSpec {
     pub network_efficiency: f64,
     pub intra_node_latency: f64,
     pub inter_node_latency: f64,
+    /// Fixed seconds per layer of every decode step (kernel minimum durations and launch
+    /// gaps that the roofline's reads and the all-reduces do not cover).
+    pub decode_layer_overhead: f64,
     pub reserved_memory: u64,
 }
 
@@ -138,6 +158,9 @@ impl DeviceSpec {
             network_efficiency: 0.7,
             intra_node_latency: 20e-6,
             inter_node_latency: 100e-6,
+            // No published per-layer figure for CPU decoding; the measured FLOP/s already
+            // include the CPU's overheads.
+            decode_layer_overhead: 0.0,
             reserved_memory: GIB / 2,
         }
     }

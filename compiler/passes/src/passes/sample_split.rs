@@ -159,7 +159,8 @@ impl Pass for SampleSplit {
             };
             let mut best: Option<Candidate> = None;
             let mut others: Vec<String> = Vec::new();
-            for &to_instances in &kept_options {
+            let mut tried: Vec<Probe> = Vec::new();
+            for (to_instances, fold) in kept_options.iter().flat_map(|&k| [(k, false), (k, true)]) {
                 // Streaming consumers that shared the generation's devices move onto the
                 // devices that migration frees.
                 let kept = to_instances * gp.tp * gp.pp;
@@ -175,17 +176,29 @@ impl Pass for SampleSplit {
                 let mut chosen: Option<Probe> = None;
                 let mut need = 0;
                 for min_tp in [1, gp.tp] {
-                    let subs = moved_consumers(a, gen_id, gp, &placements, &freed, min_tp);
+                    let subs = moved_consumers(a, gen_id, gp, &placements, &freed, min_tp, fold);
                     need = resident_weights(a, gen_id, gp, &subs);
                     if need <= usable {
                         chosen = Some(subs);
                         break;
                     }
                 }
+                // Folding changes nothing when no moved consumer has pipeline stages.
+                if let Some(subs) = &chosen {
+                    if tried.contains(subs) {
+                        continue;
+                    }
+                    tried.push(subs.clone());
+                }
+                let label = if fold {
+                    format!("{to_instances} instance(s), pipelines folded into tp")
+                } else {
+                    format!("{to_instances} instance(s)")
+                };
                 let Some(subs) = chosen else {
                     others.push(format!(
-                        "{to_instances} instance(s): the consumers' weights need {:.1} GB per \
-                         freed device, {:.1} GB usable",
+                        "{label}: the consumers' weights need {:.1} GB per freed device, {:.1} \
+                         GB usable",
                         need as f64 / 1e9,
                         usable as f64 / 1e9
                     ));
@@ -204,9 +217,7 @@ impl Pass for SampleSplit {
                     .filter(|r| r.div_ceil(to_instances) <= capacity)
                     .collect();
                 if fitting.is_empty() {
-                    others.push(format!(
-                        "{to_instances} instance(s): no threshold's tail fits their KV caches"
-                    ));
+                    others.push(format!("{label}: no threshold's tail fits their KV caches"));
                     continue;
                 }
                 let mut probe = in_context(&base, a);
@@ -233,9 +244,7 @@ impl Pass for SampleSplit {
                     .iter()
                     .find(|r| r.0 == threshold)
                     .map_or(f64::INFINITY, |r| r.1);
-                others.push(format!(
-                    "{to_instances} instance(s): {t:.2} s at {threshold}"
-                ));
+                others.push(format!("{label}: {t:.2} s at {threshold}"));
                 if best.as_ref().is_none_or(|b| t < b.0) {
                     best = Some((t, to_instances, threshold, results, subs));
                 }
@@ -248,8 +257,8 @@ impl Pass for SampleSplit {
                 format!("pinned by `migrate below`: {threshold} of {samples} samples")
             } else {
                 format!(
-                    "fastest simulated iteration over {} thresholds ({} of {samples} samples) and \
-                     {} tail sizes ({})",
+                    "fastest simulated iteration over {} thresholds ({} of {samples} samples), \
+                     {} tail sizes and the consumers' layouts ({})",
                     results.len(),
                     threshold,
                     kept_options.len(),
@@ -325,6 +334,11 @@ impl Pass for SampleSplit {
 
 /// The streaming consumers of `gen_id` that shared its devices, moved onto `freed` with a
 /// tensor-parallel degree of at least `min_tp` (where the model's heads and the node allow).
+/// A consumer on the generating model itself runs in the generation's layout: the freed
+/// devices already hold its weights that way, so nothing is resharded before it (and it need
+/// not wait for the generation's end). With `fold`, the others fold pipeline stages into
+/// tensor parallelism inside a node (the same devices per replica and weights per device):
+/// streamed samples arrive a few at a time, and every run through a pipeline pays its fill.
 fn moved_consumers(
     a: &Annotated,
     gen_id: NodeId,
@@ -332,7 +346,9 @@ fn moved_consumers(
     placements: &std::collections::BTreeMap<NodeId, Placement>,
     freed: &Placement,
     min_tp: u64,
+    fold: bool,
 ) -> Probe {
+    let model_of = |id: NodeId| a.plan.graph.node(id).and_then(|n| n.op.model());
     let mut subs = Vec::new();
     for (&id, s) in &a.decisions.streams {
         if s.generate != gen_id || s.cut != Cut::Sample {
@@ -344,22 +360,34 @@ fn moved_consumers(
         if !p.overlaps(gp) {
             continue;
         }
-        let heads = a
-            .plan
-            .graph
-            .node(id)
-            .and_then(|n| n.op.model())
+        if model_of(id).is_some() && model_of(id) == model_of(gen_id) {
+            let q = Placement {
+                tp: gp.tp,
+                pp: gp.pp,
+                ..*p
+            };
+            if let Some(sub) = subtask_placement(a, id, &q, freed) {
+                subs.push((id, sub));
+            }
+            continue;
+        }
+        let heads = model_of(id)
             .and_then(|m| a.shape(m))
             .map_or(1, |sh| sh.heads);
-        let mut tp = p.tp;
+        let per_node = a.cluster.per_node.max(1);
+        let (mut tp, mut pp) = (p.tp, p.pp);
+        while fold && pp.is_multiple_of(2) && tp * 2 <= per_node && heads.is_multiple_of(tp * 2) {
+            tp *= 2;
+            pp /= 2;
+        }
         while tp < min_tp
-            && (tp * 2) * p.pp <= freed.count
-            && tp * 2 <= a.cluster.per_node.max(1)
+            && (tp * 2) * pp <= freed.count
+            && tp * 2 <= per_node
             && heads.is_multiple_of(tp * 2)
         {
             tp *= 2;
         }
-        let q = Placement { tp, ..*p };
+        let q = Placement { tp, pp, ..*p };
         if let Some(sub) = subtask_placement(a, id, &q, freed) {
             subs.push((id, sub));
         }

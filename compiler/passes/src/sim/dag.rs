@@ -49,25 +49,28 @@ pub enum Work {
         seconds: f64,
     },
     Generate(Box<GenerateSpec>),
-    /// Per-sample work (log-probs, values, scores) done in chunks of up to `chunk` samples, each
-    /// chunk taking `chunk_fixed + per_sample · n` seconds. When it streams from a generation
-    /// task it starts on the samples already emitted and follows the rest as they come.
+    /// Per-sample work (log-probs, values, scores) on `replicas` data-parallel replicas, each
+    /// on an equal share of the task's devices (`stages` pipeline stages inside). A replica
+    /// takes up to `chunk` samples per micro-batch; a micro-batch takes `chunk_fixed +
+    /// per_sample · n` seconds in each stage, and a replica's run of micro-batches issued back
+    /// to back pays the first one's crossing of the other `stages − 1` stages once
+    /// ([`Work::run_time`]). When it streams from a generation task it starts on the samples
+    /// already emitted and follows the rest as they come, each free replica taking a share of
+    /// what waits (and holding only its own devices while it runs).
     PerSample {
         samples: u64,
         chunk: u64,
         chunk_fixed: f64,
         per_sample: f64,
-        /// Pipeline fill: with pipeline stages, `chunk_fixed + per_sample · n` is a chunk's
-        /// time in one stage (the pace of chunks issued back to back), and a run of chunks
-        /// takes `fill` more for its first chunk to cross the other stages. 0 without stages.
-        fill: f64,
+        stages: u64,
+        replicas: u64,
     },
 }
 
 impl Work {
     /// Per-sample work from the cost model: a forward pass over the whole sequence of each
-    /// sample on `devices` data-parallel replicas with the given layout inside each; the chunk's
-    /// fixed cost is reading the weights once (what a tiny chunk pays for).
+    /// sample on `replicas` data-parallel replicas with the given layout inside each; the
+    /// micro-batch's fixed cost is reading the weights once (what a tiny micro-batch pays for).
     pub fn inference(
         cost: &CostModel,
         model: &ModelShape,
@@ -77,13 +80,12 @@ impl Work {
         seq_len: u64,
         chunk: u64,
     ) -> Work {
-        let replicas = replicas.max(1) as f64;
-        // Per pipeline stage: chunks issued back to back leave one stage apart.
+        // Per pipeline stage: micro-batches issued back to back leave one stage apart.
         let pp = layout.pp.max(1) as f64;
         let one = cost.forward_time(model, layout, 1, seq_len) / pp;
         let many = cost.forward_time(model, layout, chunk.max(1), seq_len) / pp;
-        // A linear fit through chunk sizes 1 and `chunk`: small chunks are dominated by the
-        // weight reads, large ones by compute.
+        // A linear fit through micro-batch sizes 1 and `chunk`: small ones are dominated by
+        // the weight reads, large ones by compute.
         let per_sample = if chunk > 1 {
             ((many - one) / (chunk - 1) as f64).max(0.0)
         } else {
@@ -93,10 +95,34 @@ impl Work {
         Work::PerSample {
             samples,
             chunk: chunk.max(1),
-            chunk_fixed: chunk_fixed / replicas,
-            per_sample: per_sample / replicas,
-            fill: (pp - 1.0) * many,
+            chunk_fixed,
+            per_sample,
+            stages: layout.pp.max(1),
+            replicas: replicas.max(1),
         }
+    }
+
+    /// Seconds one replica of per-sample work takes for a run of `n` samples issued back to
+    /// back: `⌈n/chunk⌉` micro-batches through the first stage, plus the first micro-batch's
+    /// crossing of the other stages. 0 for other work.
+    pub fn run_time(&self, n: u64) -> f64 {
+        let Work::PerSample {
+            chunk,
+            chunk_fixed,
+            per_sample,
+            stages,
+            ..
+        } = self
+        else {
+            return 0.0;
+        };
+        if n == 0 {
+            return 0.0;
+        }
+        let chunk = (*chunk).max(1);
+        let first = n.min(chunk) as f64;
+        let fill = ((*stages).max(1) - 1) as f64 * (chunk_fixed + per_sample * first);
+        fill + n.div_ceil(chunk) as f64 * chunk_fixed + n as f64 * per_sample
     }
 }
 
@@ -256,17 +282,27 @@ impl DagBuilder {
                     chunk,
                     chunk_fixed,
                     per_sample,
-                    fill,
+                    stages,
+                    replicas,
                 } => {
                     if *samples == 0 || *chunk == 0 {
                         return err("per-sample work needs samples and a chunk size".into());
                     }
+                    if *stages == 0
+                        || *replicas == 0
+                        || !(t.devices.len() as u64).is_multiple_of(*replicas)
+                    {
+                        return err(format!(
+                            "per-sample work needs stages and replicas, and its {} devices split \
+                             evenly over its {} replicas",
+                            t.devices.len(),
+                            replicas
+                        ));
+                    }
                     if !(chunk_fixed.is_finite()
                         && per_sample.is_finite()
-                        && fill.is_finite()
                         && *chunk_fixed >= 0.0
-                        && *per_sample >= 0.0
-                        && *fill >= 0.0)
+                        && *per_sample >= 0.0)
                     {
                         return err("per-sample costs must be finite and non-negative".into());
                     }

@@ -1,8 +1,9 @@
 //! The discrete-event engine: runs a [`Dag`] for a number of iterations and records what each
 //! device did when.
 //!
-//! Events (a task finishes, a generation emits samples or releases devices after migrating
-//! its long tail, a per-sample chunk finishes) are processed in time order, ties in the order
+//! Events (a task finishes, a generation emits samples or releases devices — those of an
+//! instance that drained before the migration, and those the migration of its long tail
+//! frees — a per-sample chunk finishes) are processed in time order, ties in the order
 //! they were scheduled, so a run is deterministic. A task starts as soon as its dependencies
 //! are done (for a streaming consumer: as soon as its producer has started) and all its
 //! devices are free; tasks are considered in DAG order. Iterations run back to back (the next
@@ -195,7 +196,8 @@ enum Event {
     Finish(usize),
     Release(usize, Vec<usize>),
     Emit(usize, u64),
-    ChunkDone(usize, u64),
+    /// Task, samples, replica.
+    ChunkDone(usize, u64, usize),
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -213,7 +215,10 @@ struct TaskRun {
     end: f64,
     emitted: u64,
     processed: u64,
-    chunk_busy: bool,
+    /// Samples a streaming consumer's replicas are working on.
+    in_flight: u64,
+    /// Which of a streaming consumer's replicas are running a chunk.
+    busy: Vec<bool>,
 }
 
 struct Engine<'a> {
@@ -291,18 +296,14 @@ impl Engine<'_> {
             }
             Work::Generate(g) => self.start_generation(i, g, now),
             Work::PerSample {
-                samples,
-                chunk,
-                chunk_fixed,
-                per_sample,
-                fill,
+                samples, replicas, ..
             } => {
                 if t.stream_from.is_some() {
+                    self.runs[i].busy = vec![false; *replicas as usize];
                     self.next_chunk(i, now);
                 } else {
-                    // Everything is available: the chunks back to back, pipelined.
-                    let end =
-                        now + *fill + chunks_time(*samples, *chunk, *chunk_fixed, *per_sample);
+                    // Everything is available: each replica runs its share back to back.
+                    let end = now + t.work.run_time(samples.div_ceil(*replicas));
                     self.span(i, &t.devices, format!("{} ×{samples}", t.name), now, end);
                     self.push(end, Event::Finish(i));
                 }
@@ -310,50 +311,70 @@ impl Engine<'_> {
         }
     }
 
-    /// Starts the next chunk of a streaming consumer if enough samples wait (a full chunk, or
-    /// whatever is left once the producer has emitted everything); finishes it when all are
-    /// processed.
+    /// Gives the samples waiting for a streaming consumer to its free replicas (those not
+    /// running a chunk whose devices nobody holds): each takes an equal share — at most one
+    /// micro-batch without pipeline stages, everything as one back-to-back run with them —
+    /// and holds only its own devices while it runs, so consumers sharing freed devices
+    /// interleave, and a trickle of tail samples does not wait for a full chunk. Finishes the
+    /// task when every sample is processed.
     fn next_chunk(&mut self, i: usize, now: f64) {
         let t = &self.dag.tasks[i];
         let Work::PerSample {
             samples,
             chunk,
-            chunk_fixed,
-            per_sample,
-            fill,
+            stages,
+            replicas,
+            ..
         } = &t.work
         else {
             return;
         };
         let Some(p) = t.stream_from else { return };
         let run = &self.runs[i];
-        if run.chunk_busy || run.state != State::Running {
+        if run.state != State::Running {
             return;
         }
         if run.processed >= *samples {
             self.push(now, Event::Finish(i));
             return;
         }
-        let available = self.runs[p.0].emitted;
-        let pending = available.saturating_sub(run.processed);
-        let producer_done = available >= *samples;
-        if (pending >= *chunk || (producer_done && pending > 0))
-            && t.devices.iter().all(|&d| self.owner[d].is_none())
-        {
-            // A pipelined consumer issues everything available back to back and pays the fill
-            // once; without stages, one chunk at a time (so consumers sharing devices alternate).
-            let n = if *fill > 0.0 {
-                pending
-            } else {
-                pending.min(*chunk)
-            };
-            let end = now + *fill + chunks_time(n, *chunk, *chunk_fixed, *per_sample);
-            for &d in &t.devices {
+        let mut pending = self.runs[p.0]
+            .emitted
+            .saturating_sub(run.processed + run.in_flight);
+        if pending == 0 {
+            return;
+        }
+        let per = t.devices.len() / (*replicas as usize).max(1);
+        let free: Vec<usize> = (0..*replicas as usize)
+            .filter(|&r| {
+                !self.runs[i].busy.get(r).copied().unwrap_or(true)
+                    && t.devices[r * per..(r + 1) * per]
+                        .iter()
+                        .all(|&d| self.owner[d].is_none())
+            })
+            .collect();
+        if free.is_empty() {
+            return;
+        }
+        let mut share = pending.div_ceil(free.len() as u64);
+        if *stages <= 1 {
+            share = share.min(*chunk);
+        }
+        for r in free {
+            if pending == 0 {
+                break;
+            }
+            let n = share.min(pending);
+            pending -= n;
+            let devs = t.devices[r * per..(r + 1) * per].to_vec();
+            let end = now + t.work.run_time(n);
+            for &d in &devs {
                 self.owner[d] = Some(i);
             }
-            self.runs[i].chunk_busy = true;
-            self.span(i, &t.devices, format!("{} ×{n}", t.name), now, end);
-            self.push(end, Event::ChunkDone(i, n));
+            self.runs[i].busy[r] = true;
+            self.runs[i].in_flight += n;
+            self.span(i, &devs, format!("{} ×{n}", t.name), now, end);
+            self.push(end, Event::ChunkDone(i, n, r));
         }
     }
 
@@ -364,7 +385,7 @@ impl Engine<'_> {
         for (at, n) in &trace.emits {
             self.push(*at, Event::Emit(i, *n));
         }
-        if let Some((at, devs)) = &trace.release {
+        for (at, devs) in &trace.releases {
             self.push(*at, Event::Release(i, devs.clone()));
         }
         for (devs, label, s, e) in &trace.spans {
@@ -375,7 +396,7 @@ impl Engine<'_> {
             task: t.name.clone(),
             mean_len: lens.iter().sum::<u64>() as f64 / lens.len().max(1) as f64,
             max_len: lens.iter().copied().max().unwrap_or(0),
-            migrated_at: trace.release.as_ref().map(|(at, _)| *at),
+            migrated_at: trace.migrated_at,
             samples_migrated: trace.migrated,
             p90_at: quantile_time(&trace.emits, g.samples, 0.9).unwrap_or(trace.end),
             end: trace.end,
@@ -412,10 +433,16 @@ impl Engine<'_> {
                 self.runs[i].emitted += n;
                 self.wake_consumers(i, now);
             }
-            Event::ChunkDone(i, n) => {
+            Event::ChunkDone(i, n, r) => {
                 self.runs[i].processed += n;
-                self.runs[i].chunk_busy = false;
-                let devices = self.dag.tasks[i].devices.clone();
+                self.runs[i].in_flight -= n;
+                self.runs[i].busy[r] = false;
+                let t = &self.dag.tasks[i];
+                let per = match &t.work {
+                    Work::PerSample { replicas, .. } => t.devices.len() / (*replicas as usize),
+                    _ => t.devices.len(),
+                };
+                let devices = t.devices[r * per..(r + 1) * per].to_vec();
                 self.free_devices(i, &devices);
                 // Its next chunk or whatever else waits for these devices, in DAG order.
                 self.try_start_all(now);
@@ -455,7 +482,8 @@ fn run_iteration(
                 end: 0.0,
                 emitted: 0,
                 processed: 0,
-                chunk_busy: false,
+                in_flight: 0,
+                busy: Vec::new(),
             };
             dag.tasks.len()
         ],
@@ -499,12 +527,6 @@ fn run_iteration(
     })
 }
 
-/// Time to run `n` samples in chunks of `chunk`, back to back (per stage when pipelined).
-fn chunks_time(n: u64, chunk: u64, chunk_fixed: f64, per_sample: f64) -> f64 {
-    let chunk = chunk.max(1);
-    n.div_ceil(chunk) as f64 * chunk_fixed + n as f64 * per_sample
-}
-
 /// When the `q`-quantile of `samples` had been emitted.
 fn quantile_time(emits: &[(f64, u64)], samples: u64, q: f64) -> Option<f64> {
     let mut sorted = emits.to_vec();
@@ -525,8 +547,11 @@ fn quantile_time(emits: &[(f64, u64)], samples: u64, q: f64) -> Option<f64> {
 struct GenerationTrace {
     /// (time, samples finished at that time), in time order.
     emits: Vec<(f64, u64)>,
-    /// Devices freed by migration, and when.
-    release: Option<(f64, Vec<usize>)>,
+    /// Devices freed (by instances that drained before the migration, and by the migration),
+    /// and when.
+    releases: Vec<(f64, Vec<usize>)>,
+    /// When the long tail was consolidated.
+    migrated_at: Option<f64>,
     spans: Vec<(Vec<usize>, String, f64, f64)>,
     migrated: u64,
     end: f64,
@@ -544,6 +569,9 @@ struct Instance {
     pos: usize,
     sum_ctx0: i64,
     decode_start: f64,
+    /// Its devices were handed back (it drained before the migration and will not receive
+    /// the tail).
+    released: bool,
 }
 
 impl Instance {
@@ -624,6 +652,7 @@ fn trace_generation(
             pos: 0,
             sum_ctx0: 0,
             decode_start: start,
+            released: false,
         })
         .collect();
     let count = insts.len();
@@ -673,7 +702,7 @@ fn trace_generation(
             let keep = m.to_instances as usize;
             let mut moved = Vec::new();
             let mut released = Vec::new();
-            for inst in insts.iter_mut().skip(keep) {
+            for inst in insts.iter_mut().skip(keep).filter(|i| !i.released) {
                 if inst.clock > inst.decode_start {
                     trace.spans.push((
                         inst.devices.clone(),
@@ -728,7 +757,8 @@ fn trace_generation(
                 inst.decode_start = inst.clock;
             }
             insts.truncate(keep);
-            trace.release = Some((ready, released));
+            trace.releases.push((ready, released));
+            trace.migrated_at = Some(ready);
         }
         // The instance whose next step ends first.
         let mut next: Option<(f64, usize, f64)> = None;
@@ -746,6 +776,25 @@ fn trace_generation(
         if n > 0 {
             live -= n;
             trace.emits.push((insts[k].clock, n));
+        }
+        // With migration, an instance that will not receive the tail hands its devices back
+        // as soon as it drains, rather than idling until the migration.
+        let inst = &mut insts[k];
+        if let Some(m) = &g.migration
+            && !migrated
+            && k >= m.to_instances as usize
+            && inst.live() == 0
+            && !inst.released
+        {
+            inst.released = true;
+            trace.spans.push((
+                inst.devices.clone(),
+                "decode".into(),
+                inst.decode_start,
+                inst.clock,
+            ));
+            inst.decode_start = inst.clock;
+            trace.releases.push((inst.clock, inst.devices.clone()));
         }
     }
     let tail = if migrated { "decode (tail)" } else { "decode" };
