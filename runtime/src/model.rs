@@ -674,8 +674,8 @@ impl Model {
         let lens = cache.lens().to_vec();
         let used = lens.iter().map(|l| l + t).max().unwrap_or(t);
         cache.reserve(used);
-        // Decode and verification steps of a Llama body on the CPU in f32 run on host memory
-        // (`step.rs`); it declines what it does not handle.
+        // Cached steps (prefill, decode, verification) of a Llama body on the CPU in f32 run on
+        // host memory (`step.rs`); it declines what it does not handle.
         if self.host_step_enabled()
             && let Some(out) = self.llama_host_step(cache, ids, &lens)
         {
@@ -802,10 +802,10 @@ impl Model {
             .store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
-    /// A cached step of a Llama body on host memory (`step.rs`), or `None` where that path
-    /// does not apply: another architecture or device, a dtype other than f32, more than
-    /// `MAX_QUERIES` new tokens per row (prefill), a sliding window, a tensor that is not
-    /// contiguous, or a token id outside the vocabulary (left to libtorch's error).
+    /// A cached step of a Llama body on host memory (`step.rs`) — a prefill, a decode step or
+    /// a verification block — or `None` where that path does not apply: another architecture
+    /// or device, a dtype other than f32, a sliding window, an odd head size, a tensor that is
+    /// not contiguous, or a token id outside the vocabulary (left to libtorch's error).
     fn llama_host_step(&self, cache: &mut KvCache, ids: &Tensor, lens: &[i64]) -> Option<Tensor> {
         let Body::Llama {
             embed,
@@ -820,10 +820,11 @@ impl Model {
         let (b, t) = ids.size2().ok()?;
         if self.device != Device::Cpu
             || self.kind != Kind::Float
-            || !(1..=MAX_QUERIES).contains(&t)
+            || t < 1
             || layers.iter().any(|l| l.window.is_some())
             || ids.device() != Device::Cpu
             || lens.len() != b as usize
+            || c.head_dim % 2 != 0
         {
             return None;
         }
@@ -1135,10 +1136,12 @@ mod tests {
         let run = |libtorch: bool| {
             m.set_libtorch_steps(libtorch);
             let mut cache = m.new_cache(3);
-            let prompt =
-                Tensor::from_slice(&[256i64, 10, 20, 30, 40, 256, 7, 0, 0, 0, 256, 9, 8, 7, 6])
-                    .reshape([3, 5]);
-            let mut outs = vec![m.forward_cached(&mut cache, &prompt, &[5, 2, 5])];
+            // A prefill longer than the attention kernel's decode limit, right-padded; only the
+            // positions valid in every row are compared (what pad positions compute is not
+            // specified).
+            let prompt = Tensor::arange_start(3, 63, (Kind::Int64, Device::Cpu)).reshape([3, 20]);
+            let prefill = m.forward_cached(&mut cache, &prompt, &[20, 7, 13]);
+            let mut outs = vec![prefill.narrow(1, 0, 7)];
             for step in 0..4i64 {
                 let ids = Tensor::from_slice(&[step + 60, step + 70, step + 80]).unsqueeze(1);
                 outs.push(m.forward_cached(&mut cache, &ids, &[1, 1, 1]));

@@ -1,5 +1,5 @@
-//! A cached step of a Llama-family body on the CPU in f32, on host memory: the decode and
-//! verification steps of the generation engine.
+//! A cached step of a Llama-family body on the CPU in f32, on host memory: the prefill, decode
+//! and verification steps of the generation engine.
 //!
 //! A decode step of a small model on the CPU is mostly fixed cost when it runs as libtorch
 //! operations: about sixty per layer (norms, products, rotary embedding, cache writes,
@@ -9,7 +9,9 @@
 //! rotary embedding, the gated activation and the residual additions, writing new keys and
 //! values straight into the cache. It computes what `Model::forward_cached` computes with
 //! libtorch, up to the order of floating-point additions; `model.rs` tests the two against
-//! each other and chooses this path only where it applies (see `Model::forward_cached`).
+//! each other and chooses this path only where it applies (see `Model::forward_cached`). For
+//! a prefill (tens of new tokens per row) the same loops apply: each query attends to the keys
+//! before it, and the products have more rows.
 
 use crate::attention::{Shape, attend_host};
 use crate::gemm;
@@ -64,24 +66,94 @@ pub(crate) fn llama_layers(
 ) {
     let m = s.rows * s.t;
     let (qd, kvd) = (s.heads * s.head_dim, s.kv_heads * s.head_dim);
-    let mut h = vec![0f32; m * s.hidden];
-    let mut q = vec![0f32; m * qd];
-    let mut k = vec![0f32; m * kvd];
-    let mut v = vec![0f32; m * kvd];
-    let mut a = vec![0f32; m * qd];
-    let mut proj = vec![0f32; m * s.hidden];
-    let mut g = vec![0f32; m * s.intermediate];
-    let mut u = vec![0f32; m * s.intermediate];
+    // Intermediate buffers come from this thread's scratch, reused from step to step: fresh
+    // allocations of this size go back to the kernel when freed, and every step would fault
+    // its pages in again.
+    SCRATCH.with_borrow_mut(|scratch| {
+        let sizes = [
+            m * s.hidden,
+            m * qd,
+            m * kvd,
+            m * kvd,
+            m * qd,
+            m * s.hidden,
+            m * s.intermediate,
+            m * s.intermediate,
+        ];
+        let total: usize = sizes.iter().sum();
+        if scratch.len() < total {
+            scratch.resize(total, 0.0);
+        }
+        let (h, rest) = scratch.split_at_mut(sizes[0]);
+        let (q, rest) = rest.split_at_mut(sizes[1]);
+        let (k, rest) = rest.split_at_mut(sizes[2]);
+        let (v, rest) = rest.split_at_mut(sizes[3]);
+        let (a, rest) = rest.split_at_mut(sizes[4]);
+        let (proj, rest) = rest.split_at_mut(sizes[5]);
+        let (g, rest) = rest.split_at_mut(sizes[6]);
+        let u = &mut rest[..sizes[7]];
+        let bufs = Buffers {
+            h,
+            q,
+            k,
+            v,
+            a,
+            proj,
+            g,
+            u,
+        };
+        run_layers(x, layers, caches, lens, (cos, sin), s, bufs);
+    });
+}
+
+thread_local! {
+    static SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// A step's intermediate buffers (see `run_layers`); every element is written before it is
+/// read, so stale contents from an earlier step do not matter.
+struct Buffers<'a> {
+    h: &'a mut [f32],
+    q: &'a mut [f32],
+    k: &'a mut [f32],
+    v: &'a mut [f32],
+    a: &'a mut [f32],
+    proj: &'a mut [f32],
+    g: &'a mut [f32],
+    u: &'a mut [f32],
+}
+
+fn run_layers(
+    x: &mut [f32],
+    layers: &[LayerView<'_>],
+    caches: &mut [(&mut [f32], &mut [f32])],
+    lens: &[i64],
+    (cos, sin): (&[f32], &[f32]),
+    s: Dims,
+    b: Buffers<'_>,
+) {
+    let m = s.rows * s.t;
+    let (qd, kvd) = (s.heads * s.head_dim, s.kv_heads * s.head_dim);
+    let Buffers {
+        h,
+        q,
+        k,
+        v,
+        a,
+        proj,
+        g,
+        u,
+    } = b;
     let linear = |l: &Lin<'_>, x: &[f32], n: usize, kk: usize, out: &mut [f32]| {
         gemm::product(x, l.w, l.b, m, n, kk, out);
     };
     for (layer, (kc, vc)) in layers.iter().zip(caches.iter_mut()) {
-        rms_norm(x, layer.input_norm, s.eps, &mut h);
-        linear(&layer.q, &h, qd, s.hidden, &mut q);
-        linear(&layer.k, &h, kvd, s.hidden, &mut k);
-        linear(&layer.v, &h, kvd, s.hidden, &mut v);
-        rope(&mut q, s.heads, s.head_dim, cos, sin);
-        rope(&mut k, s.kv_heads, s.head_dim, cos, sin);
+        rms_norm(x, layer.input_norm, s.eps, h);
+        linear(&layer.q, h, qd, s.hidden, q);
+        linear(&layer.k, h, kvd, s.hidden, k);
+        linear(&layer.v, h, kvd, s.hidden, v);
+        rope(q, s.heads, s.head_dim, cos, sin);
+        rope(k, s.kv_heads, s.head_dim, cos, sin);
         // New keys and values into the cache: token i of row r at position lens[r] + i.
         for (r, &len) in lens.iter().enumerate().take(s.rows) {
             for i in 0..s.t {
@@ -103,15 +175,15 @@ pub(crate) fn llama_layers(
             d: s.head_dim,
             q_by_token: true,
         };
-        attend_host(&q, kc, vc, lens, shape, &mut a);
-        linear(&layer.o, &a, s.hidden, qd, &mut proj);
-        add_into(x, &proj);
-        rms_norm(x, layer.post_norm, s.eps, &mut h);
-        linear(&layer.gate, &h, s.intermediate, s.hidden, &mut g);
-        linear(&layer.up, &h, s.intermediate, s.hidden, &mut u);
-        silu_mul(&mut g, &u);
-        linear(&layer.down, &g, s.hidden, s.intermediate, &mut proj);
-        add_into(x, &proj);
+        attend_host(q, kc, vc, lens, shape, a);
+        linear(&layer.o, a, s.hidden, qd, proj);
+        add_into(x, proj);
+        rms_norm(x, layer.post_norm, s.eps, h);
+        linear(&layer.gate, h, s.intermediate, s.hidden, g);
+        linear(&layer.up, h, s.intermediate, s.hidden, u);
+        silu_mul(g, u);
+        linear(&layer.down, g, s.hidden, s.intermediate, proj);
+        add_into(x, proj);
     }
 }
 
@@ -145,8 +217,10 @@ fn rope(x: &mut [f32], heads: usize, d: usize, cos: &[f32], sin: &[f32]) {
         let (c, sn) = (&cos[tok * d..][..d], &sin[tok * d..][..d]);
         for head in xs.chunks_exact_mut(d) {
             tmp.copy_from_slice(head);
-            for j in 0..d {
-                head[j] = tmp[j] * c[j] + tmp[(j + half) % d] * sn[j];
+            let (lo, hi) = head.split_at_mut(half);
+            for j in 0..half {
+                lo[j] = tmp[j] * c[j] + tmp[j + half] * sn[j];
+                hi[j] = tmp[j + half] * c[j + half] + tmp[j] * sn[j + half];
             }
         }
     }
@@ -178,6 +252,38 @@ fn silu_mul_portable(g: &mut [f32], u: &[f32]) {
     for (g, &u) in g.iter_mut().zip(u) {
         *g = *g / (1.0 + exp_f32(-*g)) * u;
     }
+}
+
+/// `Σ e^(x - max)` over `xs`, with `exp_f32` in eight f32 lanes summed in f64 at the end
+/// (the softmax denominator of a row of logits; libm's `exp` per element is most of a
+/// sampling step's time otherwise).
+pub(crate) fn sum_exp(xs: &[f32], max: f32) -> f64 {
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+        // SAFETY: the CPU supports AVX2 and FMA, checked just above.
+        #[allow(unsafe_code)]
+        return unsafe { sum_exp_avx2(xs, max) };
+    }
+    sum_exp_portable(xs, max)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn sum_exp_avx2(xs: &[f32], max: f32) -> f64 {
+    sum_exp_portable(xs, max)
+}
+
+#[inline(always)]
+fn sum_exp_portable(xs: &[f32], max: f32) -> f64 {
+    let mut lanes = [0f32; 8];
+    let (body, tail) = xs.split_at(xs.len() / 8 * 8);
+    for c in body.chunks_exact(8) {
+        for (l, &x) in lanes.iter_mut().zip(c) {
+            *l += exp_f32(x - max);
+        }
+    }
+    let tail: f64 = tail.iter().map(|&x| f64::from(exp_f32(x - max))).sum();
+    lanes.iter().map(|&l| f64::from(l)).sum::<f64>() + tail
 }
 
 /// `e^x` in f32 without a library call, so that loops over it vectorise: Cody-Waite range
