@@ -249,24 +249,21 @@ mod fma {
         let rep = h / hkv;
         let scale = _mm256_set1_ps(1.0 / (d as f32).sqrt());
         let mut scores = vec![0f32; cap + 4];
-        let seen = lens[row] as usize + t;
         for head in 0..h {
             let base = (row * hkv + head / rep) * cap * d;
             let kp = ks[base..].as_ptr();
             let vp = vs[base..].as_ptr();
-            if head % rep == 0 {
-                // The values of this key/value head are read right after its scores, and the
-                // next one's keys right after that: start fetching both now (a row's keys
-                // and values are a few KB per head, too short a stream for the hardware
-                // prefetcher to get ahead). A prefetch is only a hint and reads nothing.
-                let next = (head / rep + 1 < hkv).then(|| ks[base + cap * d..].as_ptr());
-                for line in (0..seen * d).step_by(16) {
-                    _mm_prefetch::<_MM_HINT_T0>(vp.wrapping_add(line) as *const i8);
-                    if let Some(nk) = next {
-                        _mm_prefetch::<_MM_HINT_T0>(nk.wrapping_add(line) as *const i8);
-                    }
-                }
-            }
+            // Keys and values are fetched a phase ahead of their use (a row's keys and values
+            // are a few KB per head, too short a stream for the hardware prefetcher to get
+            // ahead): the score loop prefetches the values of the same keys, and the value
+            // loop the next key/value head's keys. A prefetch is only a hint and reads nothing.
+            let next_keys = if head + 1 < h && (head + 1) / rep != head / rep {
+                ks[base + cap * d..].as_ptr()
+            } else if head + 1 == h && row + 1 < s.b {
+                ks[((row + 1) * hkv) * cap * d..].as_ptr()
+            } else {
+                std::ptr::null()
+            };
             for i in 0..t {
                 let n = lens[row] as usize + i + 1;
                 let at = if s.q_by_token {
@@ -284,6 +281,9 @@ mod fma {
                     }
                     let mut l = 0;
                     while l + 4 <= n {
+                        for line in (0..4 * d).step_by(16) {
+                            _mm_prefetch::<_MM_HINT_T0>(vp.wrapping_add(l * d + line) as *const i8);
+                        }
                         let mut acc = [_mm256_setzero_ps(); 4];
                         for (c, &qc) in q.iter().enumerate() {
                             for (j, a) in acc.iter_mut().enumerate() {
@@ -325,6 +325,13 @@ mod fma {
                 // SAFETY: as above.
                 unsafe {
                     for (l, &p) in scores[..n].iter().enumerate() {
+                        if !next_keys.is_null() && i + 1 == t {
+                            for line in (0..d).step_by(16) {
+                                _mm_prefetch::<_MM_HINT_T0>(
+                                    next_keys.wrapping_add(l * d + line) as *const i8
+                                );
+                            }
+                        }
                         let p = _mm256_set1_ps(p);
                         for (c, o) in o.iter_mut().enumerate() {
                             *o = _mm256_fmadd_ps(p, _mm256_loadu_ps(vp.add(l * d + 8 * c)), *o);
