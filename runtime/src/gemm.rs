@@ -91,7 +91,7 @@ pub(crate) fn product(
     product_on(threads(m, n, k), x, w, bias, (m, n, k), out);
 }
 
-/// `product` on `threads` threads: chunks of `CHUNK_COLS` output columns, taken by the
+/// `product` on `threads` threads: chunks of whole blocks of output columns, taken by the
 /// calling thread and the kernel team (`team.rs`); each writes only its own columns.
 fn product_on(
     threads: usize,
@@ -104,15 +104,27 @@ fn product_on(
     assert!(x.len() >= m * k && w.len() >= n * k && out.len() >= m * n);
     assert!(bias.is_none_or(|b| b.len() >= n));
     let o = Out::new(out);
-    let chunks = n.div_ceil(CHUNK_COLS);
+    // A chunk's first block of weight rows is not prefetched (the block before it may be on
+    // another core), so chunks are few: about two per thread, whole blocks each.
+    let per = n
+        .div_ceil(2 * threads.max(1))
+        .div_ceil(BLOCK_COLS)
+        .max(CHUNK_BLOCKS)
+        * BLOCK_COLS;
+    let chunks = n.div_ceil(per);
+    if threads <= 1 || chunks <= 1 {
+        // One pass over all columns, so that every block but the first is prefetched.
+        columns(x, w, bias, (m, n, k), (0, n), o);
+        return;
+    }
     team::for_each_chunk(threads.min(chunks), chunks, &|i| {
-        let c0 = i * CHUNK_COLS;
-        columns(x, w, bias, (m, n, k), (c0, (c0 + CHUNK_COLS).min(n)), o);
+        let c0 = i * per;
+        columns(x, w, bias, (m, n, k), (c0, (c0 + per).min(n)), o);
     });
 }
 
-/// Output columns per chunk of a split product.
-const CHUNK_COLS: usize = 2 * BLOCK_COLS;
+/// Fewest blocks of weight rows per chunk of a split product.
+const CHUNK_BLOCKS: usize = 2;
 
 /// How many threads a product of this size uses: libtorch's thread count, but fewer when a
 /// thread would get less than `MIN_WORK_PER_THREAD` multiply-adds, which takes about as long
