@@ -9,7 +9,7 @@
 //! it started. The team has `tch::get_num_threads() - 1` workers (libtorch's setting is the
 //! one users already make); with one thread, calls run inline.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -22,16 +22,21 @@ pub(crate) fn for_each_chunk(threads: usize, chunks: usize, f: &(dyn Fn(usize) +
     }
     let team = team();
     team.grow(threads - 1);
-    // SAFETY: the pointer's lifetime is erased so workers can hold the job; they call `f` only
-    // for a chunk index they took below `chunks`, and this function returns only after every
-    // such call has finished (`done == chunks`), so no call outlives the borrow of `f`.
+    // The closure's lifetime is erased so that workers can hold the job: they call it only for
+    // a chunk index they took below `chunks`, and this function returns (or unwinds) only
+    // after every such call has finished (`done == chunks`), so no call outlives the borrow.
     #[allow(unsafe_code)]
-    let f_static: &'static (dyn Fn(usize) + Sync) = unsafe { std::mem::transmute(f) };
+    // SAFETY: only the trait object's lifetime bound changes; see above for why no call
+    // outlives it.
+    let f: *const (dyn Fn(usize) + Sync + 'static) = unsafe {
+        std::mem::transmute::<*const (dyn Fn(usize) + Sync + '_), *const (dyn Fn(usize) + Sync)>(f)
+    };
     let job = Arc::new(Job {
-        f: f_static,
+        f,
         chunks,
         next: AtomicUsize::new(0),
         done: AtomicUsize::new(0),
+        panicked: AtomicBool::new(false),
     });
     team.post(&job);
     job.work();
@@ -44,24 +49,45 @@ pub(crate) fn for_each_chunk(threads: usize, chunks: usize, f: &(dyn Fn(usize) +
             std::thread::yield_now();
         }
     }
+    // A chunk that panicked (on any thread) is reported here, after all chunks have ended.
+    assert!(
+        !job.panicked.load(Ordering::Acquire),
+        "a chunk of a Braid CPU kernel panicked"
+    );
 }
 
 struct Job {
-    f: &'static (dyn Fn(usize) + Sync),
+    /// The caller's closure, valid until `done == chunks` (see `for_each_chunk`).
+    f: *const (dyn Fn(usize) + Sync),
     chunks: usize,
     next: AtomicUsize,
     done: AtomicUsize,
+    panicked: AtomicBool,
 }
 
+// SAFETY: `f` points to a `Sync` closure that outlives every call made through it (see
+// `for_each_chunk`); the other fields are atomics.
+#[allow(unsafe_code)]
+unsafe impl Send for Job {}
+#[allow(unsafe_code)]
+unsafe impl Sync for Job {}
+
 impl Job {
-    /// Takes and runs chunks until none are left.
+    /// Takes and runs chunks until none are left. A panicking chunk is caught and counted as
+    /// done, so the caller never waits forever and never returns while a chunk runs.
     fn work(&self) {
         loop {
             let i = self.next.fetch_add(1, Ordering::Relaxed);
             if i >= self.chunks {
                 return;
             }
-            (self.f)(i);
+            // SAFETY: `i < chunks` was taken before `done` reached `chunks`, so the caller of
+            // `for_each_chunk` is still waiting and the closure is alive.
+            #[allow(unsafe_code)]
+            let f = unsafe { &*self.f };
+            if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(i))).is_err() {
+                self.panicked.store(true, Ordering::Release);
+            }
             self.done.fetch_add(1, Ordering::Release);
         }
     }
@@ -188,6 +214,19 @@ mod tests {
                 assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1));
             }
         }
+    }
+
+    #[test]
+    fn a_panicking_chunk_is_reported_after_all_chunks_end() {
+        let ran = AtomicUsize::new(0);
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            for_each_chunk(2, 8, &|i| {
+                ran.fetch_add(1, Ordering::Relaxed);
+                assert!(i != 3, "chunk 3 fails");
+            })
+        }));
+        assert!(result.is_err());
+        assert_eq!(ran.load(Ordering::Relaxed), 8);
     }
 
     #[test]
