@@ -92,17 +92,17 @@ pub(crate) fn llama_layers(
         let (proj, rest) = rest.split_at_mut(sizes[5]);
         let (g, rest) = rest.split_at_mut(sizes[6]);
         let u = &mut rest[..sizes[7]];
-        let bufs = Buffers {
-            h,
-            q,
-            k,
-            v,
-            a,
-            proj,
-            g,
-            u,
-        };
-        run_layers(x, layers, caches, lens, (cos, sin), s, bufs);
+        // Every element of these buffers is written before it is read, so stale contents
+        // from an earlier step do not matter.
+        run_layers(
+            x,
+            layers,
+            caches,
+            lens,
+            (cos, sin),
+            s,
+            [h, q, k, v, a, proj, g, u],
+        );
     });
 }
 
@@ -110,19 +110,8 @@ thread_local! {
     static SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
-/// A step's intermediate buffers (see `run_layers`); every element is written before it is
-/// read, so stale contents from an earlier step do not matter.
-struct Buffers<'a> {
-    h: &'a mut [f32],
-    q: &'a mut [f32],
-    k: &'a mut [f32],
-    v: &'a mut [f32],
-    a: &'a mut [f32],
-    proj: &'a mut [f32],
-    g: &'a mut [f32],
-    u: &'a mut [f32],
-}
-
+/// The layer loop of `llama_layers`, with its intermediate buffers: normalised hidden states,
+/// queries, keys, values, attention outputs, projections, gate and up activations.
 fn run_layers(
     x: &mut [f32],
     layers: &[LayerView<'_>],
@@ -130,20 +119,10 @@ fn run_layers(
     lens: &[i64],
     (cos, sin): (&[f32], &[f32]),
     s: Dims,
-    b: Buffers<'_>,
+    [h, q, k, v, a, proj, g, u]: [&mut [f32]; 8],
 ) {
     let m = s.rows * s.t;
     let (qd, kvd) = (s.heads * s.head_dim, s.kv_heads * s.head_dim);
-    let Buffers {
-        h,
-        q,
-        k,
-        v,
-        a,
-        proj,
-        g,
-        u,
-    } = b;
     let linear = |l: &Lin<'_>, x: &[f32], n: usize, kk: usize, out: &mut [f32]| {
         gemm::product(x, l.w, l.b, m, n, kk, out);
     };

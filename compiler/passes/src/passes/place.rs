@@ -134,26 +134,21 @@ impl Pass for Place {
                 }
                 let mut found: Option<(f64, Placement, Placement)> = None;
                 for &count in &sizes {
-                    let ox: Vec<Placement> = if free.contains(&x) {
-                        estimate::fitting_options(a, x, count)
-                            .into_iter()
-                            .map(|o| o.1)
-                            .collect()
-                    } else if bx.count == count {
-                        vec![bx]
-                    } else {
-                        Vec::new()
+                    // A free call may take any layout that fits `count` devices; a pinned
+                    // one keeps its placement if it has that many.
+                    let options = |call, pinned: Placement| -> Vec<Placement> {
+                        if free.contains(&call) {
+                            estimate::fitting_options(a, call, count)
+                                .into_iter()
+                                .map(|o| o.1)
+                                .collect()
+                        } else if pinned.count == count {
+                            vec![pinned]
+                        } else {
+                            Vec::new()
+                        }
                     };
-                    let oy: Vec<Placement> = if free.contains(&y) {
-                        estimate::fitting_options(a, y, count)
-                            .into_iter()
-                            .map(|o| o.1)
-                            .collect()
-                    } else if by.count == count {
-                        vec![by]
-                    } else {
-                        Vec::new()
-                    };
+                    let (ox, oy) = (options(x, bx), options(y, by));
                     let starts: Vec<u64> = if !free.contains(&x) {
                         vec![bx.first]
                     } else if !free.contains(&y) {

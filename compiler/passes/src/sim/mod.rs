@@ -58,6 +58,28 @@ mod tests {
     const SAMPLES: u64 = 256;
     const PROMPT: u64 = 128;
 
+    /// The tests' generation: `SAMPLES` prompts of `PROMPT` tokens on 8 single-device
+    /// instances, the tail migrating onto instance 0 below `migrate_below` samples if given.
+    fn generate_work(
+        cost: &CostModel,
+        model: &ModelShape,
+        lengths: LengthDist,
+        migrate_below: Option<u64>,
+    ) -> Work {
+        Work::Generate(Box::new(GenerateSpec {
+            samples: SAMPLES,
+            prompt_len: PROMPT,
+            instances: 8,
+            lengths,
+            model: model.clone(),
+            cost: cost.clone(),
+            migration: migrate_below.map(|threshold| Migration {
+                threshold,
+                to_instances: 1,
+            }),
+        }))
+    }
+
     /// A PPO iteration on one 8×H100 node with LLaMA-7B-shaped actor, critic, reference and
     /// reward models: generate → (reference log-probs, values, score) → train actor → train
     /// critic. Sequential: each stage waits for the previous one. Fused: the inference tasks
@@ -71,18 +93,12 @@ mod tests {
             "generate",
             "generate",
             0..8,
-            Work::Generate(Box::new(GenerateSpec {
-                samples: SAMPLES,
-                prompt_len: PROMPT,
-                instances: 8,
-                lengths: p.lengths.clone(),
-                model: model.clone(),
-                cost: cost.clone(),
-                migration: p.fused.then_some(Migration {
-                    threshold: p.threshold,
-                    to_instances: 1,
-                }),
-            })),
+            generate_work(
+                &cost,
+                &model,
+                p.lengths.clone(),
+                p.fused.then_some(p.threshold),
+            ),
         );
         // Fused: device 0 keeps the tail, so inference uses 1..8; sequential: all 8.
         let groups: [Vec<usize>; 3] = if p.fused {
@@ -349,18 +365,7 @@ mod tests {
             "generate",
             "generate",
             0..8,
-            Work::Generate(Box::new(GenerateSpec {
-                samples: SAMPLES,
-                prompt_len: PROMPT,
-                instances: 8,
-                lengths: long_tail(),
-                model: model.clone(),
-                cost: cost.clone(),
-                migration: Some(Migration {
-                    threshold: 16,
-                    to_instances: 1,
-                }),
-            })),
+            generate_work(&cost, &model, long_tail(), Some(16)),
         );
         for name in ["ref_logprobs", "values"] {
             let work = Work::inference(&cost, &model, Layout::SINGLE, 7, SAMPLES, PROMPT + 256, 8);
@@ -396,18 +401,7 @@ mod tests {
             "generate",
             "generate",
             0..8,
-            Work::Generate(Box::new(GenerateSpec {
-                samples: SAMPLES,
-                prompt_len: PROMPT,
-                instances: 8,
-                lengths: long_tail(),
-                model: model.clone(),
-                cost: cost.clone(),
-                migration: Some(Migration {
-                    threshold: 16,
-                    to_instances: 1,
-                }),
-            })),
+            generate_work(&cost, &model, long_tail(), Some(16)),
         );
         let work = Work::inference(&cost, &model, Layout::SINGLE, 7, SAMPLES, PROMPT + 256, 8);
         let t = b.task("values", "inference", 1..8, work.clone());
