@@ -6,7 +6,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
-use braid_runtime::spec::SpeculateMode;
+use braid_runtime::generation::spec::SpeculateMode;
 use braid_runtime::{
     ChatMessage, EngineOptions, Error, Head, LoadOptions, Model, SamplingParams, TinyConfig,
     Tokenizer, device, generate_stream, tiny,

@@ -11,14 +11,14 @@
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
+use braid_cost::cluster::ClusterSpec;
+use braid_cost::cost::{DeviceKind, ModelShape};
+use braid_cost::sim::LengthDist;
 use braid_passes::annotated::{
     Annotated, FusePin, PinTarget, Pins, PlacePin, SpeculatePin, default_workload, shapes_from_plan,
 };
-use braid_passes::cluster::ClusterSpec;
-use braid_passes::cost::{DeviceKind, ModelShape};
 use braid_passes::passes::{PassManager, pass_names};
 use braid_passes::render::{self, PlanSpans};
-use braid_passes::sim::LengthDist;
 use braid_sema::hir::{Cluster, LocalKind, Program, RunArg};
 use braid_syntax::ast::{LayoutKind, PinKind, Selector, SpeculateMode};
 

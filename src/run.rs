@@ -144,7 +144,7 @@ fn execute(args: &Args) -> Result<(), Fail> {
         .map_err(|e| Fail(format!("{}: cannot create: {e}", run_dir.display()), 1))?;
     let program = std::fs::canonicalize(&file).unwrap_or_else(|_| file.clone());
     let record = serde_json::json!({ "program": program, "pipeline": plan.pipeline });
-    braid_runtime::checkpoint::write_atomic(
+    braid_runtime::training::checkpoint::write_atomic(
         &run_dir.join("run.json"),
         record.to_string().as_bytes(),
     )

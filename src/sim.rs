@@ -16,8 +16,8 @@ use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
-use braid_passes::fused_pipeline::{PipelineProblem, solve};
-use braid_passes::sim::{SimOptions, to_chrome_trace, to_svg};
+use braid_cost::fused_pipeline::{PipelineProblem, solve};
+use braid_cost::sim::{SimOptions, to_chrome_trace, to_svg};
 use braid_passes::to_sim::{Comparison, compare};
 
 #[derive(clap::Args)]
@@ -124,7 +124,7 @@ fn run_program(file: &Path, args: &Args) -> ExitCode {
 fn comparison_text(
     a: &braid_passes::annotated::Annotated,
     cmp: &Comparison,
-    report: &braid_passes::sim::SimReport,
+    report: &braid_cost::sim::SimReport,
     iterations: u32,
 ) -> String {
     let mut o = String::new();

@@ -88,9 +88,9 @@ fn check_fixture(path: &Path) -> (Expectations, Expectations, String) {
 /// planned on its `cluster` block (default `cpu`), models of `hf(...)` taken from the presets
 /// named by their directories.
 fn plan_diagnostics(program: &braid_sema::hir::Program) -> Vec<braid_diagnostics::Diagnostic> {
+    use braid_cost::cluster::ClusterSpec;
+    use braid_cost::cost::{DeviceKind, ModelShape};
     use braid_passes::annotated::{Annotated, Pins, default_workload, shapes_from_plan};
-    use braid_passes::cluster::ClusterSpec;
-    use braid_passes::cost::{DeviceKind, ModelShape};
     use braid_passes::render::{PlanSpans, memory_diagnostics};
     let Ok(plan) = braid_sema::lower_graph::lower_run(program) else {
         return Vec::new();

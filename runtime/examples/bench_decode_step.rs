@@ -5,9 +5,9 @@
 //! * the read bandwidth of this machine on one thread (summing a 512 MB tensor);
 //! * attention over 4 layers of KV caches too large to stay in the CPU cache together, by
 //!   libtorch's `scaled_dot_product_attention` and by Braid's decode kernel
-//!   (`braid_runtime::attention::decode_attention`), on the same tensors (checked to agree);
+//!   (`braid_runtime::kernels::attention::decode_attention`), on the same tensors (checked to agree);
 //! * the linear layers of one step (29 products of 32 rows), by libtorch's `linear` and by
-//!   Braid's product kernel (`braid_runtime::gemm::linear`);
+//!   Braid's product kernel (`braid_runtime::kernels::gemm::linear`);
 //! * one whole `forward_cached` decode step of the model, as libtorch operations (with the
 //!   attention kernel) and on host memory with Braid's kernels (`step.rs`), interleaved.
 //!
@@ -15,7 +15,7 @@
 
 use std::time::Instant;
 
-use braid_runtime::attention::decode_attention;
+use braid_runtime::kernels::attention::decode_attention;
 use braid_runtime::{Head, TinyConfig, tiny};
 use tch::{Device, Kind, Tensor};
 
@@ -131,7 +131,7 @@ fn main() {
         .collect();
     for (x, w) in inputs.iter().zip(&weights) {
         let want = x.linear(w, None::<&Tensor>);
-        let got = braid_runtime::gemm::linear(x, w, None).expect("handled");
+        let got = braid_runtime::kernels::gemm::linear(x, w, None).expect("handled");
         let diff = (want - got).abs().max().double_value(&[]);
         assert!(diff < 1e-3, "kernel and libtorch products differ by {diff}");
     }
@@ -143,7 +143,7 @@ fn main() {
     });
     let t_ker = time(repeats, || {
         for (x, w) in inputs.iter().zip(&weights) {
-            let _ = braid_runtime::gemm::linear(x, w, None);
+            let _ = braid_runtime::kernels::gemm::linear(x, w, None);
         }
     });
     println!(

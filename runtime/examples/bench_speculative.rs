@@ -28,8 +28,8 @@
 use std::process::ExitCode;
 use std::time::Instant;
 
+use braid_runtime::generation::spec::{SpeculateMode, StepRecord};
 use braid_runtime::rng::Rng;
-use braid_runtime::spec::{SpeculateMode, StepRecord};
 use braid_runtime::{
     EngineOptions, Head, Model, Sample, SamplingParams, TinyConfig, Tokenizer, device, generate,
     generate_stream, tiny,

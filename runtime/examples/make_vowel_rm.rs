@@ -11,10 +11,10 @@
 
 use std::path::PathBuf;
 
-use braid_runtime::infer::{self, Rollout};
-use braid_runtime::model::Head;
+use braid_runtime::models::model::Head;
+use braid_runtime::models::tiny::{TinyConfig, tiny};
 use braid_runtime::rng::Rng;
-use braid_runtime::tiny::{TinyConfig, tiny};
+use braid_runtime::training::infer::{self, Rollout};
 use braid_runtime::{InferOptions, save_pretrained};
 use tch::{Device, Kind, Tensor};
 

@@ -12,8 +12,8 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
+use braid_runtime::generation::spec::{SpeculateMode, distribution};
 use braid_runtime::rng::Rng;
-use braid_runtime::spec::{SpeculateMode, distribution};
 use braid_runtime::{
     EngineOptions, FinishReason, Head, InferOptions, Model, Rollout, Sample, SamplingParams,
     TinyConfig, Tokenizer, generate, logprobs, save_pretrained, tiny,

@@ -5,12 +5,12 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+use braid_cost::cluster::ClusterSpec;
+use braid_cost::cost::ModelShape;
 use braid_passes::annotated::{
     Annotated, Cut, FusePin, PinTarget, Pins, PlacePin, SpeculatePin, default_workload,
     shapes_from_plan,
 };
-use braid_passes::cluster::ClusterSpec;
-use braid_passes::cost::ModelShape;
 use braid_passes::passes::{PassManager, all_passes, run_one};
 use braid_passes::render::{PlanSpans, memory_diagnostics, report, to_text};
 
@@ -306,11 +306,11 @@ fn the_policys_logprobs_stream_in_the_generations_layout() {
     assert_eq!((sub.tp, sub.pp), (gp.tp, gp.pp));
     let (dag, tasks) = braid_passes::to_sim::to_dag(&a, true).unwrap();
     let name = &dag.tasks[tasks[&lp].0].name;
-    let opts = braid_passes::sim::SimOptions {
+    let opts = braid_cost::sim::SimOptions {
         iterations: 1,
         seed: a.seed,
     };
-    let r = braid_passes::sim::simulate(&dag, &opts).unwrap();
+    let r = braid_cost::sim::simulate(&dag, &opts).unwrap();
     let start = r
         .timeline
         .iter()

@@ -30,16 +30,16 @@ use std::time::Instant;
 
 use tch::{Kind, Tensor};
 
-use crate::cache::KvCache;
 use crate::error::{Error, Result};
-use crate::model::{Head, Model};
-use crate::rng::Rng;
-use crate::sampling::{SamplingParams, sample_token};
-use crate::spec::{
+use crate::generation::sampling::{SamplingParams, sample_token};
+use crate::generation::spec::{
     self, AUTO_MAX_DRAFT, Acceptance, CostModel, DRAFT_MODEL_MAX_DRAFT, MAX_DRAFT, NgramIndex,
     RowOutlook, SpeculateMode, StepRecord,
 };
-use crate::tokenizer::Tokenizer;
+use crate::models::cache::KvCache;
+use crate::models::model::{Head, Model};
+use crate::models::tokenizer::Tokenizer;
+use crate::rng::Rng;
 
 /// Engine settings that do not change the result's distribution. (Greedy text never changes;
 /// sampled text is the same with `off`, `auto` and `ngram`, and follows the same distribution
@@ -862,7 +862,7 @@ mod tests {
     // Each test sets one libtorch thread: tests run in parallel threads, and OpenMP threads
     // spinning on a small shared machine slow the suite down about tenfold.
     use super::*;
-    use crate::tiny::{TinyConfig, tiny};
+    use crate::models::tiny::{TinyConfig, tiny};
     use tch::Device;
 
     fn model() -> (Model, Tokenizer) {

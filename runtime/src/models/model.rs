@@ -15,15 +15,15 @@ use std::path::{Path, PathBuf};
 use tch::nn::VarStore;
 use tch::{Device, Kind, Tensor};
 
-use crate::attention::{MAX_QUERIES, decode_attention};
-use crate::cache::KvCache;
-use crate::config::{Activation, Arch, ModelConfig, RopeScaling};
 use crate::error::{Error, Result};
-use crate::gemm;
+use crate::generation::spec::CostModel;
+use crate::kernels::attention::{MAX_QUERIES, decode_attention};
+use crate::kernels::gemm;
+use crate::kernels::step;
+use crate::models::cache::KvCache;
+use crate::models::config::{Activation, Arch, ModelConfig, RopeScaling};
+use crate::models::weights::WeightFiles;
 use crate::rng::Rng;
-use crate::spec::CostModel;
-use crate::step;
-use crate::weights::WeightFiles;
 
 /// What a model computes on top of its final hidden states.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -1070,7 +1070,7 @@ mod tests {
     // Each test sets one libtorch thread: tests run in parallel threads, and OpenMP threads
     // spinning on a small shared machine slow the suite down about tenfold.
     use super::*;
-    use crate::tiny::{TinyConfig, tiny};
+    use crate::models::tiny::{TinyConfig, tiny};
 
     #[test]
     fn gradients_reach_every_parameter() {

@@ -9,7 +9,7 @@ use braid_ir::graph::Optimizer as Config;
 use tch::{Kind, Tensor};
 
 use crate::error::{Error, Result};
-use crate::model::Model;
+use crate::models::model::Model;
 
 pub struct AdamW {
     config: Config,
@@ -183,7 +183,7 @@ pub fn lr_at(c: &Config, step: i64, total: i64) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::tiny::{TinyConfig, tiny};
+    use crate::models::tiny::{TinyConfig, tiny};
     use tch::Device;
 
     fn config(schedule: &str, warmup: i64) -> Config {
@@ -225,7 +225,7 @@ mod tests {
                 intermediate: 16,
                 ..TinyConfig::default()
             },
-            crate::model::Head::Lm,
+            crate::models::model::Head::Lm,
             Device::Cpu,
         )
         .unwrap();

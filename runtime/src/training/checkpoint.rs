@@ -15,10 +15,10 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
-use crate::model::Model;
-use crate::optim::AdamW;
-use crate::save::save_pretrained;
-use crate::tokenizer::Tokenizer;
+use crate::models::model::Model;
+use crate::models::save::save_pretrained;
+use crate::models::tokenizer::Tokenizer;
+use crate::training::optim::AdamW;
 
 /// Checkpoints kept in a run directory.
 pub const KEEP: usize = 3;

@@ -40,10 +40,10 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 
 use crate::error::{Error, Result};
-use crate::model::{Head, LoadOptions, Model};
+use crate::generation::sampling::{Candidates, SamplingParams, argmax, log_sum_exp, sample_token};
+use crate::models::model::{Head, LoadOptions, Model};
+use crate::models::tokenizer::Tokenizer;
 use crate::rng::Rng;
-use crate::sampling::{Candidates, SamplingParams, argmax, log_sum_exp, sample_token};
-use crate::tokenizer::Tokenizer;
 
 /// Draft length of `ngram` without `:N`.
 pub const DEFAULT_NGRAM_DRAFT: usize = 4;

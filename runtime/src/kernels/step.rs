@@ -13,8 +13,8 @@
 //! a prefill (tens of new tokens per row) the same loops apply: each query attends to the keys
 //! before it, and the products have more rows.
 
-use crate::attention::{Shape, attend_host};
-use crate::gemm;
+use crate::kernels::attention::{Shape, attend_host};
+use crate::kernels::gemm;
 
 /// A linear layer's weight `[n, k]` and optional bias `[n]`, on the host.
 pub(crate) struct Lin<'a> {

@@ -11,9 +11,9 @@
 
 use tch::{Device, Kind, Tensor};
 
-use crate::engine::Sample;
 use crate::error::{Error, Result};
-use crate::model::{Head, Model};
+use crate::generation::engine::Sample;
+use crate::models::model::{Head, Model};
 
 /// One prompt and its completion, as token ids.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -224,9 +224,9 @@ mod tests {
     // Each test sets one libtorch thread: tests run in parallel threads, and OpenMP threads
     // spinning on a small shared machine slow the suite down about tenfold.
     use super::*;
-    use crate::engine::{EngineOptions, generate};
-    use crate::sampling::SamplingParams;
-    use crate::tiny::{TinyConfig, tiny};
+    use crate::generation::engine::{EngineOptions, generate};
+    use crate::generation::sampling::SamplingParams;
+    use crate::models::tiny::{TinyConfig, tiny};
 
     fn rollouts() -> Vec<Rollout> {
         vec![

@@ -10,10 +10,10 @@ use std::path::PathBuf;
 use serde_json::json;
 use tch::{Device, Kind};
 
-use crate::config::ModelConfig;
 use crate::error::{Error, Result};
-use crate::model::{Head, Model, Weights};
-use crate::tokenizer::{BYTE_BOS, BYTE_EOS, BYTE_PAD, BYTE_VOCAB, Tokenizer};
+use crate::models::config::ModelConfig;
+use crate::models::model::{Head, Model, Weights};
+use crate::models::tokenizer::{BYTE_BOS, BYTE_EOS, BYTE_PAD, BYTE_VOCAB, Tokenizer};
 
 /// The vocabulary of a tiny model. Only the byte vocabulary exists.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

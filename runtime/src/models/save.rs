@@ -14,10 +14,10 @@ use safetensors::tensor::{Dtype, TensorView};
 use serde_json::{Value, json};
 use tch::{Device, Kind};
 
-use crate::config::Arch;
 use crate::error::{Error, Result};
-use crate::model::{Head, Model};
-use crate::tokenizer::{Tokenizer, byte_level_tokenizer_config, byte_level_tokenizer_json};
+use crate::models::config::Arch;
+use crate::models::model::{Head, Model};
+use crate::models::tokenizer::{Tokenizer, byte_level_tokenizer_config, byte_level_tokenizer_json};
 
 fn architecture(model: &Model) -> String {
     let c = model.config();

@@ -12,8 +12,8 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{Value, json};
 
-use crate::config::{ModelConfig, token_ids_field};
 use crate::error::{Error, Result};
+use crate::models::config::{ModelConfig, token_ids_field};
 
 /// Id of `<|bos|>` in the byte tokenizer.
 pub const BYTE_BOS: i64 = 256;

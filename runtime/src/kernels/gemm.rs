@@ -23,7 +23,7 @@
 
 use tch::{Device, Kind, Tensor};
 
-use crate::team::{self, Out};
+use crate::kernels::team::{self, Out};
 
 /// Most activation rows the kernel takes. Taller blocks (prefill, training) are the products
 /// MKL's packing pays off for.
@@ -187,7 +187,7 @@ mod avx2 {
     use std::arch::x86_64::*;
 
     use super::{BLOCK_COLS, COLS, ROWS};
-    use crate::team::Out;
+    use crate::kernels::team::Out;
 
     /// See `super::columns`. Blocks of `BLOCK_COLS` weight rows; within a block, tiles of
     /// `ROWS` x `COLS` outputs, with narrower tiles at the edges.

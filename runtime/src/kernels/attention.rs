@@ -15,8 +15,8 @@
 
 use tch::{Device, Kind, Tensor};
 
-use crate::step::exp_f32;
-use crate::team::{self, Out};
+use crate::kernels::step::exp_f32;
+use crate::kernels::team::{self, Out};
 
 /// Most queries per row the kernel takes; longer blocks (prefill) are products libtorch's
 /// attention does well.
@@ -226,8 +226,8 @@ mod fma {
     use std::arch::x86_64::*;
 
     use super::Shape;
-    use crate::step::exp_f32;
-    use crate::team::Out;
+    use crate::kernels::step::exp_f32;
+    use crate::kernels::team::Out;
 
     /// One row (see `attend_row`); returns `true` (the head size is `8 * D8`).
     ///

@@ -86,7 +86,7 @@ pub(crate) fn log_sum_exp(xs: &[f32]) -> f32 {
     if !max.is_finite() {
         return max;
     }
-    max + crate::step::sum_exp(xs, max).ln() as f32
+    max + crate::kernels::step::sum_exp(xs, max).ln() as f32
 }
 
 /// The first maximum of a row of logits (greedy decoding's choice).

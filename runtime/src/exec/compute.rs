@@ -1,0 +1,229 @@
+//! Compute nodes: inference calls run after generation, `fn` kernels through the JIT,
+//! element-wise arithmetic and `by_prompt`.
+
+use super::*;
+
+impl<'p> Executor<'p> {
+    /// Runs a `logprobs`, `values` or `score` node on sequences.
+    pub(super) fn infer(
+        &self,
+        op: &Op,
+        model: u32,
+        seqs: &[Rollout],
+        temperature: f64,
+        micro: Option<i64>,
+    ) -> Result<Val> {
+        let slot = &self.slots[model as usize];
+        let opts = InferOptions {
+            micro_batch: micro.unwrap_or(self.plan.micro_batch).max(1) as usize,
+            temperature: temperature as f32,
+        };
+        Ok(collect_rows(
+            op,
+            infer_per_sample(&slot.model, op, seqs, &opts)?,
+        ))
+    }
+}
+
+pub(super) fn infer_per_sample(
+    model: &Model,
+    op: &Op,
+    seqs: &[Rollout],
+    opts: &InferOptions,
+) -> Result<Vec<PerSampleOut>> {
+    Ok(match op {
+        Op::Logprobs { .. } => infer::logprobs(model, seqs, opts)?
+            .into_iter()
+            .map(PerSampleOut::Tokens)
+            .collect(),
+        Op::Values { .. } => infer::values(model, seqs, opts)?
+            .into_iter()
+            .map(PerSampleOut::Tokens)
+            .collect(),
+        Op::Score { .. } => infer::score(model, seqs, opts)?
+            .into_iter()
+            .map(PerSampleOut::Scalar)
+            .collect(),
+        other => {
+            return Err(Error::invalid(
+                "plan",
+                format!("`{}` is not an inference call", other.name()),
+            ));
+        }
+    })
+}
+
+pub(super) fn run_kernel(
+    k: &CompiledKernel,
+    args: &[Operand],
+    inputs: &[NodeId],
+    vals: &BTreeMap<NodeId, Val>,
+) -> Result<Val> {
+    let r = rollout_of(vals, inputs.first())?;
+    let lengths = r.lengths();
+    let groups: Vec<i64> = r.samples.iter().map(|s| s.prompt_index as i64).collect();
+    let texts: Vec<SampleText> = r
+        .samples
+        .iter()
+        .map(|s| {
+            let rec = r.records.get(s.prompt_index);
+            SampleText {
+                prompt: rec.map(|x| x.prompt.clone()).unwrap_or_default(),
+                completion: s.text.clone(),
+                answer: rec.map(|x| x.answer.clone()).unwrap_or_default(),
+            }
+        })
+        .collect();
+    let kernel = k.kernel();
+    let mut kargs: Vec<Arg<'_>> = Vec::with_capacity(args.len());
+    for (i, a) in args.iter().enumerate() {
+        let kind = kernel.params.get(i).copied();
+        kargs.push(match (a, kind) {
+            (_, Some(ParamKind::Sample)) => Arg::Sample,
+            (Operand::Const(c), Some(ParamKind::Scalar(t))) => match (c, t) {
+                (Const::Int(x), ScalarTy::Int) => Arg::Int(*x),
+                (Const::Bool(x), ScalarTy::Bool) => Arg::Bool(*x),
+                (c, ScalarTy::Float) => Arg::Float(c.as_f64().unwrap_or(0.0)),
+                (c, _) => {
+                    return Err(Error::invalid(
+                        "plan",
+                        format!("constant {c} does not fit kernel parameter {i}"),
+                    ));
+                }
+            },
+            (Operand::Input(p), _) => match inputs.get(*p as usize).and_then(|n| vals.get(n)) {
+                Some(Val::PerToken(t)) => Arg::PerToken(Ragged {
+                    values: &t.values,
+                    offsets: &t.offsets,
+                }),
+                Some(Val::PerSample(s)) => Arg::PerSample(s),
+                Some(Val::Rollout(_)) => Arg::Sample,
+                _ => {
+                    return Err(Error::invalid(
+                        "plan",
+                        format!("kernel operand ${p} has no value"),
+                    ));
+                }
+            },
+            (Operand::Const(c), _) => {
+                return Err(Error::invalid(
+                    "plan",
+                    format!("constant {c} passed to a non-scalar kernel parameter"),
+                ));
+            }
+        });
+    }
+    let batch = Batch {
+        n_samples: r.samples.len(),
+        lengths: Some(&lengths),
+        groups: Some(&groups),
+        texts: Some(&texts),
+    };
+    let out = k
+        .run(&batch, &kargs)
+        .map_err(|e| Error::invalid(format!("fn `{}`", kernel.name), e.to_string()))?;
+    Ok(match out {
+        Output::PerSample(v) => Val::PerSample(v),
+        Output::PerToken { values, offsets } => Val::PerToken(Tokens { values, offsets }),
+    })
+}
+
+/// A value of an element-wise operation: per sample `i`, token `t`.
+pub(super) enum Elem<'a> {
+    C(f64),
+    S(&'a [f64]),
+    T(&'a Tokens),
+}
+
+impl Elem<'_> {
+    pub(super) fn at(&self, i: usize, t: usize) -> f64 {
+        match self {
+            Elem::C(c) => *c,
+            Elem::S(s) => s.get(i).copied().unwrap_or(0.0),
+            Elem::T(tk) => tk.row(i).get(t).copied().unwrap_or(0.0),
+        }
+    }
+}
+
+pub(super) fn elem<'a>(
+    a: &Operand,
+    inputs: &[NodeId],
+    vals: &'a BTreeMap<NodeId, Val>,
+) -> Result<Elem<'a>> {
+    Ok(match a {
+        Operand::Const(c) => Elem::C(
+            c.as_f64()
+                .ok_or_else(|| Error::invalid("plan", format!("{c} is not a number")))?,
+        ),
+        Operand::Input(p) => match inputs.get(*p as usize).and_then(|n| vals.get(n)) {
+            Some(Val::PerSample(s)) => Elem::S(s),
+            Some(Val::PerToken(t)) => Elem::T(t),
+            _ => return Err(Error::invalid("plan", format!("operand ${p} has no value"))),
+        },
+    })
+}
+
+pub(super) fn arith(
+    op: ArithOp,
+    args: &[Operand],
+    inputs: &[NodeId],
+    vals: &BTreeMap<NodeId, Val>,
+) -> Result<Val> {
+    let r = rollout_of(vals, inputs.first())?;
+    let es: Vec<Elem<'_>> = args
+        .iter()
+        .map(|a| elem(a, inputs, vals))
+        .collect::<Result<_>>()?;
+    let f = |i: usize, t: usize| -> f64 {
+        let a = es[0].at(i, t);
+        let b = es.get(1).map_or(0.0, |e| e.at(i, t));
+        match op {
+            ArithOp::Add => a + b,
+            ArithOp::Sub => a - b,
+            ArithOp::Mul => a * b,
+            ArithOp::Div => a / b,
+            ArithOp::Neg => -a,
+        }
+    };
+    let n = r.samples.len();
+    if es.iter().any(|e| matches!(e, Elem::T(_))) {
+        let mut values = Vec::new();
+        let mut offsets = vec![0];
+        for (i, len) in r.lengths().into_iter().enumerate() {
+            for t in 0..len {
+                values.push(f(i, t));
+            }
+            offsets.push(values.len());
+        }
+        Ok(Val::PerToken(Tokens { values, offsets }))
+    } else {
+        Ok(Val::PerSample((0..n).map(|i| f(i, 0)).collect()))
+    }
+}
+
+pub(super) fn by_prompt(inputs: &[NodeId], vals: &BTreeMap<NodeId, Val>) -> Result<Val> {
+    let like = rollout_of(vals, inputs.first())?;
+    let from = rollout_of(vals, inputs.get(2))?;
+    let Some(Val::PerSample(v)) = inputs.get(1).and_then(|n| vals.get(n)) else {
+        return Err(Error::invalid("plan", "by_prompt needs a per-sample value"));
+    };
+    let mut first_of: BTreeMap<usize, f64> = BTreeMap::new();
+    for (i, s) in from.samples.iter().enumerate() {
+        first_of
+            .entry(s.prompt_index)
+            .or_insert(v.get(i).copied().unwrap_or(0.0));
+    }
+    let mut out = Vec::with_capacity(like.samples.len());
+    for s in &like.samples {
+        out.push(first_of.get(&s.prompt_index).copied().ok_or_else(|| {
+            Error::invalid(
+                "by_prompt",
+                format!(
+                    "prompt {} has no sample in the other rollout",
+                    s.prompt_index
+                ),
+            )
+        })?);
+    }
+    Ok(Val::PerSample(out))
+}

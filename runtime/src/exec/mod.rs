@@ -1,0 +1,345 @@
+//! The executor of a [`Plan`]: runs the task graph of one iteration `steps` times on the
+//! runtime — generation, inference streamed under generation, `fn` kernels through the JIT,
+//! element-wise arithmetic, losses and training — with checkpoints and per-step metrics.
+//!
+//! **Streaming (inter-stage fusion on one machine).** The `logprobs`, `values` and `score`
+//! nodes that read a rollout directly run on micro-batches of finished samples while
+//! generation goes on in another thread. A `Tensor` is `Send` but not `Sync`, so two threads
+//! cannot share one model: when a model that generates is also trained, generation runs on a
+//! replica of it whose weights are copied from the trained model after every update (the way
+//! RLHF systems keep their inference engine's weights). Every other model is used by one
+//! thread at a time.
+//!
+//! **Determinism.** Every random choice derives from the run's seed and the step: sampling
+//! seeds, data order, mini-batch shuffles. Checkpoints hold the trained models' weights, the
+//! optimizer state, the data cursors and the step, so a resumed run computes the same numbers
+//! as an uninterrupted one (on the CPU, at a fixed thread count).
+//!
+//! This module must not print: progress goes to the caller through [`Event`]s.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::mpsc;
+use std::time::Instant;
+
+use braid_ir::graph::{
+    ArithOp, Const, LossKind, ModelSource, ModelSpec, NodeId, Op, Operand, Plan,
+};
+use braid_ir::kernel::{Arg, Batch, KernelExec, Output, ParamKind, Ragged, SampleText, ScalarTy};
+use braid_jit::{CompiledKernel, Jit};
+use tch::{Device, Kind, Tensor};
+
+use crate::error::{Error, Result};
+use crate::exec::data::{Dataset, Record};
+use crate::generation::engine::{EngineOptions, Sample, generate_stream};
+use crate::generation::sampling::SamplingParams;
+use crate::generation::spec::SpeculateMode;
+use crate::models::model::{Head, LoadOptions, Model};
+use crate::models::tiny::{TinyConfig, TinyVocab, tiny};
+use crate::models::tokenizer::{ChatMessage, Tokenizer};
+use crate::rng::{Rng, derive};
+use crate::training::checkpoint::{self, State};
+use crate::training::infer::{self, InferOptions, Rollout};
+use crate::training::loss::{self, Agg, Layout};
+use crate::training::optim::AdamW;
+
+mod compute;
+pub mod data;
+mod record;
+mod setup;
+mod stream;
+pub mod tensorboard;
+mod train;
+mod values;
+
+use compute::*;
+pub use record::fingerprint;
+use record::*;
+use setup::*;
+use values::*;
+
+/// How to run a plan.
+#[derive(Debug, Clone)]
+pub struct RunOptions {
+    /// Where checkpoints, metrics and the plan are written.
+    pub run_dir: PathBuf,
+    /// Relative model and data paths are read from here (the program's directory).
+    pub base_dir: PathBuf,
+    /// Continue from the run directory's latest checkpoint.
+    pub resume: bool,
+    /// libtorch threads of each working thread.
+    pub threads: usize,
+    /// Stop after this many steps in all (the plan's `steps` when `None`).
+    pub steps: Option<i64>,
+    /// Checkpoint every K steps (the plan's `checkpoint_every` when `None`); 0: only at the end.
+    pub checkpoint_every: Option<i64>,
+    /// Stream inference under generation (inter-stage fusion).
+    pub fuse: bool,
+    /// Consumers of a rollout that must wait for the whole batch even when `fuse` is on (the
+    /// schedule's `fuse off` / `fuse GEN -> A, B` pins, resolved by the caller).
+    pub no_stream: BTreeSet<NodeId>,
+    pub device: Device,
+}
+
+/// What the executor reports as it goes.
+#[derive(Debug)]
+pub enum Event<'a> {
+    /// The run starts (or resumes) at `first_step` of `total`.
+    Start { first_step: i64, total: i64 },
+    /// Step `step` (1-based) finished with these metrics.
+    Step {
+        step: i64,
+        total: i64,
+        metrics: &'a BTreeMap<String, f64>,
+    },
+    /// A checkpoint of step `step` was written.
+    Checkpoint { step: i64, dir: &'a Path },
+}
+
+/// A model of the run.
+struct Slot {
+    spec: ModelSpec,
+    model: Model,
+    tokenizer: Tokenizer,
+    opt: Option<AdamW>,
+    /// Optimizer steps over the whole run (for the learning-rate schedule).
+    total_opt_steps: i64,
+    /// A copy that generation uses while the streamed consumers use `model`.
+    replica: Option<Model>,
+}
+
+/// The executor.
+pub struct Executor<'p> {
+    plan: &'p Plan,
+    options: RunOptions,
+    slots: Vec<Slot>,
+    datasets: Vec<Dataset>,
+    cursors: Vec<u64>,
+    kernels: BTreeMap<NodeId, Arc<CompiledKernel>>,
+    order: Vec<NodeId>,
+    /// The rollout that the (first) trained model learns from, and the node of its reward.
+    main_rollout: Option<NodeId>,
+    reward_node: Option<NodeId>,
+    /// `logprobs` nodes of a trained model whose values are taken from that model's training
+    /// forward pass instead of a separate inference pass.
+    reused: BTreeSet<NodeId>,
+    total_steps: i64,
+    first_step: i64,
+}
+
+impl<'p> Executor<'p> {
+    /// One iteration of the graph.
+    fn step(&mut self, step: i64) -> Result<(BTreeMap<String, f64>, Vec<usize>)> {
+        let t_step = Instant::now();
+        let mut vals: BTreeMap<NodeId, Val> = BTreeMap::new();
+        let mut m: BTreeMap<String, f64> = BTreeMap::new();
+        let mut time: BTreeMap<&'static str, f64> = BTreeMap::new();
+        let mut lengths = Vec::new();
+        let seed = derive(self.plan.seed as u64, step as u64);
+        let order = self.order.clone();
+        for id in order {
+            if vals.contains_key(&id) {
+                continue;
+            }
+            let Some(node) = self.plan.graph.node(id) else {
+                continue;
+            };
+            let inputs = self.plan.graph.inputs(id);
+            let t0 = Instant::now();
+            let v = match &node.op {
+                Op::Next { dataset, count } => {
+                    let d = *dataset as usize;
+                    let records = self.datasets[d].draw(self.cursors[d], *count as u64)?;
+                    self.cursors[d] += *count as u64;
+                    Val::Prompts {
+                        records,
+                        chat_template: self.datasets[d].chat_template,
+                    }
+                }
+                Op::Generate { .. } => {
+                    let (rollout, streamed, stats) =
+                        self.generate(id, &inputs, &vals, derive(seed, u64::from(id.0)))?;
+                    *time.entry("generate").or_default() += stats.gen_seconds;
+                    *time.entry("infer").or_default() += stats.infer_seconds;
+                    m.insert("time/infer_hidden".into(), stats.hidden_share());
+                    if Some(id) == self.main_rollout {
+                        let toks: usize = rollout.lengths().iter().sum();
+                        m.insert(
+                            "tokens_per_s".into(),
+                            toks as f64 / stats.gen_seconds.max(1e-9),
+                        );
+                        lengths = rollout.lengths();
+                    }
+                    for (n, v) in streamed {
+                        vals.insert(n, v);
+                    }
+                    vals.insert(id, Val::Rollout(rollout));
+                    continue;
+                }
+                Op::Logprobs { .. } if self.reused.contains(&id) => {
+                    // Filled in by the `train` that reads it (see `reusable_logprobs`).
+                    continue;
+                }
+                Op::Logprobs { model } | Op::Values { model } | Op::Score { model } => {
+                    let r = rollout_of(&vals, inputs.first())?;
+                    let seqs: Vec<Rollout> = r.samples.iter().map(|s| s.rollout.clone()).collect();
+                    let v = self.infer(&node.op, *model, &seqs, r.temperature, node.micro_batch)?;
+                    *time.entry("infer").or_default() += t0.elapsed().as_secs_f64();
+                    v
+                }
+                Op::Kernel { args, .. } => {
+                    let k = self.kernels.get(&id).cloned().ok_or_else(|| {
+                        Error::invalid("plan", format!("kernel {id} was not compiled"))
+                    })?;
+                    let v = run_kernel(&k, args, &inputs, &vals)?;
+                    *time.entry("kernels").or_default() += t0.elapsed().as_secs_f64();
+                    v
+                }
+                Op::Arith { op, args } => arith(*op, args, &inputs, &vals)?,
+                Op::ByPrompt => by_prompt(&inputs, &vals)?,
+                Op::Loss { kind, args } => {
+                    let mut resolved = Vec::new();
+                    for a in args {
+                        resolved.push(match a {
+                            Operand::Const(c) => LossArg::Const(c.clone()),
+                            Operand::Input(p)
+                                if inputs
+                                    .get(*p as usize)
+                                    .is_some_and(|n| self.reused.contains(n)) =>
+                            {
+                                LossArg::CurrentLogp
+                            }
+                            Operand::Input(p) => {
+                                match inputs.get(*p as usize).and_then(|n| vals.get(n)) {
+                                    Some(Val::PerToken(t)) => LossArg::Tokens(t.clone()),
+                                    Some(Val::PerSample(s)) => LossArg::Samples(s.clone()),
+                                    _ => {
+                                        return Err(Error::invalid(
+                                            "plan",
+                                            format!("{id}: loss operand ${p} is not a value"),
+                                        ));
+                                    }
+                                }
+                            }
+                        });
+                    }
+                    Val::Loss(vec![LossTerm {
+                        kind: *kind,
+                        args: resolved,
+                    }])
+                }
+                Op::LossSum { .. } => {
+                    let mut terms = Vec::new();
+                    for i in inputs.iter().skip(1) {
+                        if let Some(Val::Loss(t)) = vals.get(i) {
+                            terms.extend(t.iter().cloned());
+                        }
+                    }
+                    Val::Loss(terms)
+                }
+                // The runtime runs a plan on one device, where every layout is the same
+                // placement: the planner's reshard, offload and reload nodes move nothing.
+                Op::Reshard { .. } | Op::Offload { .. } | Op::Reload { .. } => Val::Unit,
+                Op::Train {
+                    model,
+                    epochs,
+                    minibatches,
+                } => {
+                    let r = rollout_of(&vals, inputs.first())?;
+                    let terms = match inputs.get(1).and_then(|n| vals.get(n)) {
+                        Some(Val::Loss(t)) => t.clone(),
+                        _ => return Err(Error::invalid("plan", format!("{id}: no loss"))),
+                    };
+                    let micro = node.micro_batch.unwrap_or(self.plan.micro_batch).max(1) as usize;
+                    let (stats, own_logp) = self.train(
+                        *model as usize,
+                        &r,
+                        &terms,
+                        *epochs,
+                        *minibatches,
+                        micro,
+                        derive(seed, 0x7EA1 ^ u64::from(id.0)),
+                    )?;
+                    // The reused log-probability nodes of this model on this rollout.
+                    for n in self.reused.clone() {
+                        let same = self.plan.graph.node(n).and_then(|x| x.op.model())
+                            == Some(*model)
+                            && self.plan.graph.inputs(n).first() == inputs.first();
+                        if same && let Some(rows) = &own_logp {
+                            vals.insert(n, Val::PerToken(Tokens::from_rows(rows)));
+                        }
+                    }
+                    let name = self.slots[*model as usize].spec.name.clone();
+                    for (k, v) in stats {
+                        m.insert(format!("{name}/{k}"), v);
+                    }
+                    *time.entry("train").or_default() += t0.elapsed().as_secs_f64();
+                    Val::Unit
+                }
+            };
+            vals.insert(id, v);
+        }
+        // Rewards, KL and lengths of the rollout the policy learns from.
+        if let Some(Val::PerSample(r)) = self.reward_node.and_then(|n| vals.get(&n)) {
+            let (mean, std) = mean_std(r);
+            m.insert("reward_mean".into(), mean);
+            m.insert("reward_std".into(), std);
+        }
+        if let Some(kl) = self.kl_metric(&vals) {
+            m.insert("kl".into(), kl);
+        }
+        if !lengths.is_empty() {
+            let l: Vec<f64> = lengths.iter().map(|&x| x as f64).collect();
+            m.insert("response_length".into(), mean_std(&l).0);
+        }
+        for (k, v) in time {
+            m.insert(format!("time/{k}"), v);
+        }
+        m.insert("time/step".into(), t_step.elapsed().as_secs_f64());
+        Ok((m, lengths))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn plan(src: &str) -> Plan {
+        let checked = braid_sema::check("t.rlhf", src, &braid_sema::NoImports);
+        assert!(!checked.has_errors(), "{:?}", checked.diagnostics);
+        braid_sema::lower_graph::lower_run(&checked.program).unwrap()
+    }
+
+    const MODELS: &str = "model policy = tiny(vocab: \"bytes\", layers: 1, hidden: 32, heads: 2) {\n  train: adamw(lr: 1e-3)\n}\nmodel critic = tiny(vocab: \"bytes\", layers: 1, hidden: 32, heads: 2) {\n  head: value\n  train: adamw(lr: 1e-3)\n}\ndataset d = synthetic::letters(count: 8)\nfn r(s: Sample) -> float { len(s.completion) }\n";
+
+    fn reused_labels(p: &Plan) -> Vec<String> {
+        reusable_logprobs(p)
+            .into_iter()
+            .map(|n| p.graph.node(n).unwrap().label.clone().unwrap_or_default())
+            .collect()
+    }
+
+    /// The policy's own log-probabilities come from its training forward pass only when the
+    /// update is a single optimizer step and nothing but the loss reads them.
+    #[test]
+    fn on_policy_logprobs_are_reused_only_when_exact() {
+        let one = plan(&format!(
+            "use std::grpo\n{MODELS}run grpo(policy, d, reward: r) {{\n  steps: 1\n  batch: 2\n  group: 2\n}}\n"
+        ));
+        assert_eq!(reused_labels(&one), vec!["old_logp".to_string()]);
+        let epochs = plan(&format!(
+            "use std::grpo\n{MODELS}run grpo(policy, d, reward: r) {{\n  steps: 1\n  batch: 2\n  group: 2\n  epochs: 2\n}}\n"
+        ));
+        assert!(reused_labels(&epochs).is_empty());
+        let minibatches = plan(&format!(
+            "use std::grpo\n{MODELS}run grpo(policy, d, reward: r) {{\n  steps: 1\n  batch: 2\n  group: 2\n  minibatches: 2\n}}\n"
+        ));
+        assert!(reused_labels(&minibatches).is_empty());
+        // PPO shapes rewards with old_logp (a kernel reads it): computed by inference.
+        let ppo = plan(&format!(
+            "use std::ppo\n{MODELS}run ppo_fn(policy, d, reward: r, critic: critic) {{\n  steps: 1\n  batch: 2\n  minibatches: 1\n}}\n"
+        ));
+        assert!(reused_labels(&ppo).is_empty());
+    }
+}

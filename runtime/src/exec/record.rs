@@ -1,0 +1,224 @@
+//! What a run leaves behind: checkpoints and their restore, `metrics.jsonl` and TensorBoard,
+//! the histogram of generated lengths, the run's fingerprint, and the metrics of a step.
+
+use super::*;
+
+impl<'p> Executor<'p> {
+    pub(super) fn restore(&mut self) -> Result<()> {
+        let Some((step, dir)) = checkpoint::latest(&self.options.run_dir)? else {
+            return Ok(());
+        };
+        let state = checkpoint::read_state(&dir)?;
+        let fingerprint = fingerprint(self.plan);
+        if state.fingerprint != fingerprint {
+            return Err(Error::file(
+                dir.join("state.json"),
+                "the checkpoint was made by a different program or different run settings; resume with the program that made it",
+            ));
+        }
+        for slot in self.slots.iter_mut() {
+            let Some(opt) = slot.opt.as_mut() else {
+                continue;
+            };
+            let mdir = dir.join("models").join(&slot.spec.name);
+            let loaded = Model::load(
+                &mdir,
+                &LoadOptions {
+                    head: slot.model.head(),
+                    dtype: Some(slot.model.kind()),
+                    device: self.options.device,
+                },
+            )?;
+            copy_weights(&mut slot.model, &loaded)?;
+            opt.load(
+                &dir.join("optimizer")
+                    .join(format!("{}.safetensors", slot.spec.name)),
+            )?;
+            if let Some(r) = slot.replica.as_mut() {
+                copy_weights(r, &slot.model)?;
+            }
+        }
+        for (i, d) in self.plan.datasets.iter().enumerate() {
+            self.cursors[i] = state.cursors.get(&d.name).copied().unwrap_or(0);
+        }
+        self.first_step = step;
+        Ok(())
+    }
+
+    /// Runs the remaining steps, reporting each; writes checkpoints and `metrics.jsonl`.
+    pub fn run(&mut self, on_event: &mut dyn FnMut(Event<'_>)) -> Result<()> {
+        std::fs::create_dir_all(&self.options.run_dir)
+            .map_err(|e| Error::file(&self.options.run_dir, format!("cannot create: {e}")))?;
+        let metrics_path = self.options.run_dir.join("metrics.jsonl");
+        checkpoint::truncate_metrics(&metrics_path, self.first_step)?;
+        checkpoint::write_atomic(
+            &self.options.run_dir.join("plan.txt"),
+            self.plan.graph_text().as_bytes(),
+        )?;
+        on_event(Event::Start {
+            first_step: self.first_step,
+            total: self.total_steps,
+        });
+        let every = self
+            .options
+            .checkpoint_every
+            .unwrap_or(self.plan.checkpoint_every)
+            .max(0);
+        let mut lengths_seen: Vec<usize> = Vec::new();
+        let mut tb = crate::exec::tensorboard::EventWriter::create(
+            &self.options.run_dir.join("tensorboard"),
+        )?;
+        for step in self.first_step..self.total_steps {
+            let (metrics, lengths) = self.step(step)?;
+            lengths_seen.extend(lengths);
+            let mut line = serde_json::Map::new();
+            line.insert("step".into(), serde_json::json!(step + 1));
+            for (k, v) in &metrics {
+                line.insert(
+                    k.clone(),
+                    if v.is_finite() {
+                        serde_json::json!(v)
+                    } else {
+                        serde_json::Value::Null
+                    },
+                );
+            }
+            checkpoint::append_line(&metrics_path, &serde_json::Value::Object(line).to_string())?;
+            let scalars: Vec<(&str, f64)> = metrics.iter().map(|(k, v)| (k.as_str(), *v)).collect();
+            tb.scalars(step + 1, &scalars)?;
+            on_event(Event::Step {
+                step: step + 1,
+                total: self.total_steps,
+                metrics: &metrics,
+            });
+            let done = step + 1;
+            if (every > 0 && done % every == 0) || done == self.total_steps {
+                let dir = self.checkpoint(done)?;
+                on_event(Event::Checkpoint {
+                    step: done,
+                    dir: &dir,
+                });
+            }
+        }
+        if !lengths_seen.is_empty() {
+            checkpoint::write_atomic(
+                &self.options.run_dir.join("lengths.txt"),
+                length_histogram(&lengths_seen).as_bytes(),
+            )?;
+        }
+        Ok(())
+    }
+
+    pub(super) fn checkpoint(&self, step: i64) -> Result<PathBuf> {
+        let mut cursors = BTreeMap::new();
+        for (i, d) in self.plan.datasets.iter().enumerate() {
+            cursors.insert(d.name.clone(), self.cursors[i]);
+        }
+        let state = State {
+            step,
+            cursors,
+            seed: self.plan.seed,
+            pipeline: self.plan.pipeline.clone(),
+            fingerprint: fingerprint(self.plan),
+        };
+        let trained: Vec<(&str, &Model, &Tokenizer, &AdamW)> = self
+            .slots
+            .iter()
+            .filter_map(|s| {
+                s.opt
+                    .as_ref()
+                    .map(|o| (s.spec.name.as_str(), &s.model, &s.tokenizer, o))
+            })
+            .collect();
+        checkpoint::save(&self.options.run_dir, &state, &trained)
+    }
+
+    /// The trained models' final directories (the latest checkpoint's).
+    pub fn final_models(&self) -> Result<Vec<(String, PathBuf)>> {
+        let Some((_, dir)) = checkpoint::latest(&self.options.run_dir)? else {
+            return Ok(Vec::new());
+        };
+        Ok(self
+            .slots
+            .iter()
+            .filter(|s| s.opt.is_some())
+            .map(|s| (s.spec.name.clone(), dir.join("models").join(&s.spec.name)))
+            .collect())
+    }
+
+    /// The mean over samples of Σ_t (logp − ref_logp), when the trained rollout has the
+    /// log-probabilities of a trained model and of a frozen one.
+    pub(super) fn kl_metric(&self, vals: &BTreeMap<NodeId, Val>) -> Option<f64> {
+        let r = self.main_rollout?;
+        let mut trained = None;
+        let mut frozen = None;
+        for id in self.plan.graph.consumers(r) {
+            let node = self.plan.graph.node(id)?;
+            if let Op::Logprobs { model } = node.op {
+                let is_trained = self.slots.get(model as usize)?.opt.is_some();
+                if is_trained && trained.is_none() {
+                    trained = Some(id);
+                } else if !is_trained && frozen.is_none() {
+                    frozen = Some(id);
+                }
+            }
+        }
+        let (Some(Val::PerToken(a)), Some(Val::PerToken(b))) =
+            (vals.get(&trained?), vals.get(&frozen?))
+        else {
+            return None;
+        };
+        let n = a.offsets.len().saturating_sub(1);
+        if n == 0 {
+            return None;
+        }
+        let total: f64 = a.values.iter().zip(&b.values).map(|(x, y)| x - y).sum();
+        Some(total / n as f64)
+    }
+}
+
+pub(super) fn mean_std(x: &[f64]) -> (f64, f64) {
+    if x.is_empty() {
+        return (0.0, 0.0);
+    }
+    let n = x.len() as f64;
+    let mean = x.iter().sum::<f64>() / n;
+    let var = x.iter().map(|v| (v - mean) * (v - mean)).sum::<f64>() / n;
+    (mean, var.sqrt())
+}
+
+/// The generated lengths as a histogram in the planner's format (`LEN COUNT` per line, `#`
+/// comments): `braid plan FILE --gen-lengths RUN_DIR/lengths.txt` plans with the observed
+/// distribution.
+pub(super) fn length_histogram(lengths: &[usize]) -> String {
+    let mut counts: BTreeMap<usize, u64> = BTreeMap::new();
+    for &l in lengths {
+        *counts.entry(l.max(1)).or_default() += 1;
+    }
+    let mut out = format!(
+        "# generated lengths of the policy's rollouts: {} samples (LEN COUNT)\n",
+        lengths.len()
+    );
+    for (l, c) in counts {
+        out.push_str(&format!("{l} {c}\n"));
+    }
+    out
+}
+
+/// What identifies a run's program: its graph and settings.
+pub fn fingerprint(plan: &Plan) -> String {
+    let mut text = plan.graph_text();
+    for (k, v) in &plan.settings {
+        text.push_str(&format!("{k}={v}\n"));
+    }
+    text.push_str(&format!("seed={}\n", plan.seed));
+    for m in &plan.models {
+        text.push_str(&format!("{m:?}\n"));
+    }
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in text.bytes() {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    format!("{h:016x}")
+}

@@ -1,0 +1,368 @@
+//! `train`: epochs of mini-batches of micro-batches, the losses evaluated on the model's
+//! current outputs with autograd, AdamW steps, and the metrics of the update.
+
+use super::*;
+
+impl<'p> Executor<'p> {
+    /// Trains a model on a rollout: `epochs` passes, each over `minibatches` optimizer steps,
+    /// each accumulating gradients over micro-batches.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn train(
+        &mut self,
+        model: usize,
+        r: &RolloutData,
+        terms: &[LossTerm],
+        epochs: i64,
+        minibatches: i64,
+        micro: usize,
+        seed: u64,
+    ) -> Result<Trained> {
+        let n = r.samples.len();
+        let mut stats: BTreeMap<String, f64> = BTreeMap::new();
+        if n == 0 {
+            return Ok((stats, None));
+        }
+        // The log-probabilities of the first forward pass over each sample, before any update
+        // (what a reused `logprobs` node stands for).
+        let mut own: Vec<Option<Vec<f32>>> = vec![None; n];
+        let slot = &mut self.slots[model];
+        let head = slot.model.head();
+        let grad_clip = slot.spec.grad_clip;
+        let Some(opt) = slot.opt.as_mut() else {
+            return Err(Error::invalid(
+                format!("model `{}`", slot.spec.name),
+                "is trained but has no optimizer",
+            ));
+        };
+        let per_mb = n.div_ceil(minibatches.max(1) as usize).max(1);
+        let start_step = opt.step;
+        let mut rng = Rng::new(seed);
+        let mut loss_sum = 0.0;
+        let mut norm_sum = 0.0;
+        let mut opt_steps = 0usize;
+        let mut clip_tok = 0.0;
+        let mut ent_tok = 0.0;
+        let mut tokens = 0.0;
+        let mut lr = 0.0;
+        for _ in 0..epochs.max(1) {
+            let mut perm: Vec<usize> = (0..n).collect();
+            rng.shuffle(&mut perm);
+            for mb in perm.chunks(per_mb) {
+                let mb_tokens: usize = mb
+                    .iter()
+                    .map(|&i| r.samples[i].rollout.completion.len())
+                    .sum();
+                let mut mb_loss = 0.0;
+                for chunk in mb.chunks(micro) {
+                    let seqs: Vec<&Rollout> =
+                        chunk.iter().map(|&i| &r.samples[i].rollout).collect();
+                    let lens: Vec<usize> = seqs.iter().map(|s| s.completion.len()).collect();
+                    let t: usize = lens.iter().sum();
+                    if t == 0 {
+                        continue;
+                    }
+                    let layout = layout_for(&lens, mb_tokens, mb.len(), r.max_new_tokens);
+                    let out = train_forward(&slot.model, &seqs, r.temperature, head)?;
+                    if opt.step == start_step
+                        && let Some(lp) = &out.logp
+                    {
+                        let flat: Vec<f32> = Vec::<f32>::try_from(
+                            lp.detach().to_kind(Kind::Float).to_device(Device::Cpu),
+                        )
+                        .map_err(Error::Torch)?;
+                        let mut at = 0;
+                        for (&i, &l) in chunk.iter().zip(&lens) {
+                            if own[i].is_none() {
+                                own[i] = Some(flat[at..at + l].to_vec());
+                            }
+                            at += l;
+                        }
+                    }
+                    let mut total: Option<Tensor> = None;
+                    for term in terms {
+                        let (l, s) = term_loss(term, &out, chunk, &layout)?;
+                        clip_tok += s.clip_frac * t as f64;
+                        total = Some(match total {
+                            Some(x) => x + l,
+                            None => l,
+                        });
+                    }
+                    if let Some(total) = total {
+                        mb_loss += total.double_value(&[]);
+                        total.backward();
+                    }
+                    if let Some(e) = &out.entropy {
+                        ent_tok += e.detach().sum(Kind::Float).double_value(&[]);
+                    }
+                    tokens += t as f64;
+                }
+                lr = opt.lr_at(opt.step, slot.total_opt_steps);
+                let norm = opt.step(lr, grad_clip);
+                norm_sum += norm;
+                loss_sum += mb_loss;
+                opt_steps += 1;
+            }
+        }
+        if let Some(rep) = slot.replica.as_mut() {
+            copy_weights(rep, &slot.model)?;
+        }
+        let k = opt_steps.max(1) as f64;
+        stats.insert("loss".into(), loss_sum / k);
+        stats.insert("grad_norm".into(), norm_sum / k);
+        stats.insert("lr".into(), lr);
+        if terms
+            .iter()
+            .any(|t| matches!(t.kind, LossKind::Ppo | LossKind::Grpo))
+        {
+            stats.insert("clip_frac".into(), clip_tok / tokens.max(1.0));
+        }
+        if head == Head::Lm {
+            stats.insert("entropy".into(), ent_tok / tokens.max(1.0));
+        }
+        let own = own.into_iter().collect::<Option<Vec<_>>>();
+        Ok((stats, own))
+    }
+}
+
+/// A `train`'s metrics, and its model's log-probabilities before the update per sample (for
+/// reused `logprobs` nodes).
+pub(super) type Trained = (BTreeMap<String, f64>, Option<Vec<Vec<f32>>>);
+
+/// The model's outputs on a micro-batch, with autograd.
+pub(super) struct TrainOut {
+    /// Log-probabilities of the completion tokens `[T]` (language models).
+    pub(super) logp: Option<Tensor>,
+    /// Per-token entropy `[T]`, detached unless an entropy bonus needs it.
+    pub(super) entropy: Option<Tensor>,
+    /// Values at the completion tokens `[T]` (critics).
+    pub(super) values: Option<Tensor>,
+}
+
+pub(super) fn train_forward(
+    model: &Model,
+    seqs: &[&Rollout],
+    temperature: f64,
+    head: Head,
+) -> Result<TrainOut> {
+    let (ids, mask) = infer::pad_batch(seqs, 0, model.device());
+    let hidden = model.hidden_states(&ids, Some(&mask));
+    let mut rows = Vec::new();
+    let mut cols = Vec::new();
+    let mut targets = Vec::new();
+    for (b, r) in seqs.iter().enumerate() {
+        let p = r.prompt.len() as i64;
+        for (i, &tok) in r.completion.iter().enumerate() {
+            rows.push(b as i64);
+            cols.push(p - 1 + i as i64);
+            targets.push(tok);
+        }
+    }
+    let dev = model.device();
+    let h = hidden.index(&[
+        Some(Tensor::from_slice(&rows).to_device(dev)),
+        Some(Tensor::from_slice(&cols).to_device(dev)),
+    ]);
+    match head {
+        Head::Lm => {
+            let logits = model.apply_head(&h).to_kind(Kind::Float) / temperature.max(1e-6);
+            let lsm = logits.log_softmax(-1, Kind::Float);
+            let tgt = Tensor::from_slice(&targets).to_device(dev).unsqueeze(1);
+            let logp = lsm.gather(1, &tgt, false).squeeze_dim(1);
+            // With gradients: PPO's entropy bonus differentiates through it.
+            let entropy = -(lsm.exp() * &lsm).sum_dim_intlist(-1, false, Kind::Float);
+            Ok(TrainOut {
+                logp: Some(logp),
+                entropy: Some(entropy),
+                values: None,
+            })
+        }
+        Head::Value => Ok(TrainOut {
+            logp: None,
+            entropy: None,
+            values: Some(model.apply_head(&h).to_kind(Kind::Float)),
+        }),
+        Head::Score => Err(Error::invalid(
+            "train",
+            "a reward model (score head) cannot be trained by an RL loss",
+        )),
+    }
+}
+
+pub(super) fn layout_for(
+    lens: &[usize],
+    mb_tokens: usize,
+    mb_samples: usize,
+    max_new: i64,
+) -> Layout {
+    let mut sample_of = Vec::new();
+    let mut inv = Vec::new();
+    for (i, &l) in lens.iter().enumerate() {
+        for _ in 0..l {
+            sample_of.push(i as i64);
+            inv.push(1.0 / l as f64);
+        }
+    }
+    Layout {
+        sample_of: Tensor::from_slice(&sample_of),
+        inv_len: Tensor::from_slice(&inv).to_kind(Kind::Float),
+        minibatch_tokens: mb_tokens as f64,
+        minibatch_samples: mb_samples as f64,
+        max_new_tokens: max_new as f64,
+    }
+}
+
+/// A per-token operand for the samples `chunk` (indices into the rollout): per-token values as
+/// they are, per-sample values broadcast over the sample's tokens.
+pub(super) fn token_tensor(
+    arg: &LossArg,
+    chunk: &[usize],
+    lens: &Layout,
+    device: Device,
+) -> Result<Tensor> {
+    let mut out: Vec<f32> = Vec::new();
+    match arg {
+        LossArg::Tokens(t) => {
+            for &i in chunk {
+                out.extend(t.row(i).iter().map(|&x| x as f32));
+            }
+        }
+        LossArg::Samples(s) => {
+            return Ok(
+                Tensor::from_slice(&chunk.iter().map(|&i| s[i] as f32).collect::<Vec<_>>())
+                    .to_device(device)
+                    .index_select(0, &lens.sample_of.to_device(device)),
+            );
+        }
+        LossArg::Const(c) => {
+            return Err(Error::invalid(
+                "loss",
+                format!("a constant {c} where per-token values are needed"),
+            ));
+        }
+        LossArg::CurrentLogp => {
+            return Err(Error::invalid(
+                "loss",
+                "the model's own log-probabilities are resolved by the caller",
+            ));
+        }
+    }
+    Ok(Tensor::from_slice(&out).to_device(device))
+}
+
+pub(super) fn const_f(arg: Option<&LossArg>, what: &str) -> Result<f64> {
+    match arg {
+        Some(LossArg::Const(c)) => c
+            .as_f64()
+            .ok_or_else(|| Error::invalid("loss", format!("`{what}` must be a number"))),
+        _ => Err(Error::invalid(
+            "loss",
+            format!("`{what}` must be a constant"),
+        )),
+    }
+}
+
+pub(super) fn const_s<'a>(arg: Option<&'a LossArg>, what: &str) -> Result<&'a str> {
+    match arg {
+        Some(LossArg::Const(Const::Str(s))) => Ok(s),
+        _ => Err(Error::invalid("loss", format!("`{what}` must be a string"))),
+    }
+}
+
+/// One loss term on a micro-batch.
+pub(super) fn term_loss(
+    term: &LossTerm,
+    out: &TrainOut,
+    chunk: &[usize],
+    layout: &Layout,
+) -> Result<(Tensor, loss::PolicyStats)> {
+    let a = &term.args;
+    let need_logp = || {
+        out.logp.as_ref().ok_or_else(|| {
+            Error::invalid(
+                "loss",
+                format!("`{}` needs a language model", term.kind.as_str()),
+            )
+        })
+    };
+    let dev = match (&out.logp, &out.values) {
+        (Some(t), _) | (_, Some(t)) => t.device(),
+        _ => Device::Cpu,
+    };
+    let tok = |i: usize| -> Result<Tensor> {
+        let arg = a
+            .get(i)
+            .ok_or_else(|| Error::invalid("loss", "missing operand"))?;
+        if let LossArg::CurrentLogp = arg {
+            return Ok(need_logp()?.detach());
+        }
+        token_tensor(arg, chunk, layout, dev)
+    };
+    match term.kind {
+        LossKind::Ppo => {
+            let logp = need_logp()?;
+            let (old, adv) = (tok(0)?, tok(1)?);
+            let clip = const_f(a.get(2), "clip")?;
+            let dual = const_f(a.get(3), "dual_clip")?;
+            let ent_coef = const_f(a.get(4), "entropy_coef")?;
+            let agg = Agg::parse(const_s(a.get(5), "agg")?).ok_or_else(|| {
+                Error::invalid(
+                    "ppo_loss",
+                    "`agg` must be \"token\", \"sequence\" or \"sum\"",
+                )
+            })?;
+            let (mut per, stats) = loss::ppo_per_token(logp, &old, &adv, clip, dual);
+            if ent_coef != 0.0 {
+                let ent = out.entropy.as_ref().ok_or_else(|| {
+                    Error::invalid("ppo_loss", "the entropy bonus needs a language model")
+                })?;
+                per -= ent * ent_coef;
+            }
+            Ok((layout.aggregate(&per, agg), stats))
+        }
+        LossKind::Grpo => {
+            let logp = need_logp()?;
+            let (old, reflp, adv) = (tok(0)?, tok(1)?, tok(2)?);
+            let clip = const_f(a.get(3), "clip")?;
+            let kl_coef = const_f(a.get(4), "kl_coef")?;
+            let est = const_s(a.get(5), "kl_estimator")?;
+            let variant = const_s(a.get(6), "variant")?;
+            let (per, stats) = loss::ppo_per_token(logp, &old, &adv, clip, 0.0);
+            let per = if kl_coef != 0.0 {
+                per + loss::kl(logp, &reflp, est) * kl_coef
+            } else {
+                per
+            };
+            let agg = if variant == "dr_grpo" {
+                Agg::Sum
+            } else {
+                Agg::Sequence
+            };
+            Ok((layout.aggregate(&per, agg), stats))
+        }
+        LossKind::Kl => {
+            let logp = need_logp()?;
+            let reflp = tok(0)?;
+            let coef = const_f(a.get(1), "coef")?;
+            let est = const_s(a.get(2), "estimator")?;
+            let per = loss::kl(logp, &reflp, est) * coef;
+            Ok((
+                layout.aggregate(&per, Agg::Token),
+                loss::PolicyStats::default(),
+            ))
+        }
+        LossKind::Value => {
+            let v = out
+                .values
+                .as_ref()
+                .ok_or_else(|| Error::invalid("value_loss", "needs a model with a value head"))?;
+            let (old, ret) = (tok(0)?, tok(1)?);
+            let clip = const_f(a.get(2), "clip")?;
+            let coef = const_f(a.get(3), "coef")?;
+            let per = loss::value_per_token(v, &old, &ret, clip) * coef;
+            Ok((
+                layout.aggregate(&per, Agg::Token),
+                loss::PolicyStats::default(),
+            ))
+        }
+    }
+}

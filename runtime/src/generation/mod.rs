@@ -1,0 +1,6 @@
+//! Generation: the engine (continuous batching over a KV cache, a stream of finished samples),
+//! sampling, and speculative decoding. It uses models; it knows nothing of training or plans.
+
+pub mod engine;
+pub mod sampling;
+pub mod spec;
