@@ -9,6 +9,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod data;
 pub mod device;
+pub mod dist;
 pub mod engine;
 pub mod error;
 pub mod exec;
