@@ -307,6 +307,7 @@ fn collectives_rank(rank: usize) {
     g.all_reduce(&mut t, ReduceOp::Sum)
         .expect("sum after refusals");
     assert_eq!(i64s(&t), [3]);
+    g.shutdown().expect("shutdown");
 }
 
 #[test]
@@ -364,7 +365,11 @@ fn subgroups_rank(rank: usize) {
     let mut t = Tensor::from_slice(&[r]);
     world.all_reduce(&mut t, ReduceOp::Sum).expect("world sum");
     assert_eq!(i64s(&t), [6]);
-    world.barrier().expect("world barrier");
+    match g.shutdown() {
+        Err(DistError::Invalid(m)) => assert!(m.contains("world group"), "{m}"),
+        other => panic!("a sub-group shut down: {other:?}"),
+    }
+    world.shutdown().expect("world shutdown");
 }
 
 /// What the disturbed-rank tests measure: a survivor's error arrives, and names the victim.

@@ -17,6 +17,9 @@ use super::ffi::{self, RawGroup};
 use super::health::Heartbeat;
 use super::{DistError, Result, Store, World};
 
+/// The world group's key prefix in the store; sub-groups' prefixes extend it.
+const WORLD_PREFIX: &str = "braid/group/world";
+
 /// The reduction of `all_reduce` and `reduce_scatter`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ReduceOp {
@@ -137,7 +140,7 @@ impl ProcessGroup {
         let heartbeat = Arc::new(Heartbeat::start(store, rank, options.heartbeat)?);
         ProcessGroup::create(
             store.clone(),
-            "braid/group/world".to_owned(),
+            WORLD_PREFIX.to_owned(),
             rank,
             (0..size).collect(),
             options,
@@ -231,6 +234,36 @@ impl ProcessGroup {
             self.options.clone(),
             self.heartbeat.clone(),
         )
+    }
+
+    /// Ends a run in order, on every rank of the world group: a barrier, then this process's
+    /// heartbeat stops and marks it exited, and rank 0, whose process hosts the store, waits
+    /// (up to the timeout) until every other rank has done so before closing it. Dropping the
+    /// group instead is abrupt: peers still talking to rank 0's store see it vanish, and their
+    /// diagnoses blame rank 0. Sub-groups are dropped, not shut down.
+    pub fn shutdown(self) -> Result<()> {
+        if self.prefix != WORLD_PREFIX {
+            return Err(DistError::invalid(format!(
+                "shutdown is for the world group; drop {} instead",
+                self.name
+            )));
+        }
+        self.barrier()?;
+        self.heartbeat.stop();
+        if self.rank == 0 {
+            let others = &self.global_ranks[1..];
+            self.heartbeat
+                .wait_exited(others, self.options.timeout)
+                .map_err(|e| DistError::Collective {
+                    op: "shutdown",
+                    group: self.name.clone(),
+                    rank: self.rank,
+                    timeout: self.options.timeout,
+                    message: e.to_string(),
+                    diagnosis: Box::new(self.heartbeat.diagnose(others)),
+                })?;
+        }
+        Ok(())
     }
 
     /// This process's rank in the group.

@@ -9,6 +9,7 @@
 //!
 //! This module only observes; it must not decide whether an operation failed.
 
+use std::sync::Mutex;
 use std::sync::mpsc::{self, RecvTimeoutError, Sender};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -41,8 +42,8 @@ pub(crate) struct Heartbeat {
     interval: Duration,
     /// A connection of its own, so that diagnosing never waits behind another request.
     probe: Store,
-    stop: Option<Sender<()>>,
-    thread: Option<JoinHandle<()>>,
+    /// The beating thread and the channel whose closing stops it; `None` once stopped.
+    running: Mutex<Option<(Sender<()>, JoinHandle<()>)>>,
 }
 
 fn alive_key(rank: usize) -> String {
@@ -78,9 +79,30 @@ impl Heartbeat {
             rank,
             interval,
             probe,
-            stop: Some(stop),
-            thread: Some(thread),
+            running: Mutex::new(Some((stop, thread))),
         })
+    }
+
+    /// Stops beating and marks this rank as exited (at once: closing the channel wakes the
+    /// thread). Later calls do nothing.
+    pub(crate) fn stop(&self) {
+        let running = self
+            .running
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .take();
+        if let Some((stop, thread)) = running {
+            drop(stop);
+            // The thread only beats and sleeps; it cannot panic short of a broken allocator.
+            let _ = thread.join();
+        }
+    }
+
+    /// Waits up to `timeout` until each of `ranks` has marked itself exited.
+    pub(crate) fn wait_exited(&self, ranks: &[usize], timeout: Duration) -> super::Result<()> {
+        let keys: Vec<String> = ranks.iter().map(|&r| exited_key(r)).collect();
+        let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+        self.probe.wait(&keys, timeout)
     }
 
     /// How long [`Heartbeat::diagnose`] takes.
@@ -163,11 +185,7 @@ impl Heartbeat {
 
 impl Drop for Heartbeat {
     fn drop(&mut self) {
-        // Closing the channel wakes the thread at once; it marks this rank as exited.
-        drop(self.stop.take());
-        if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
-        }
+        self.stop();
     }
 }
 
