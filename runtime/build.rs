@@ -127,6 +127,8 @@ fn cuda_includes(torch: &Path) -> Vec<PathBuf> {
     if let Some(home) = std::env::var_os("CUDA_HOME") {
         dirs.push(PathBuf::from(home).join("include"));
     }
+    // `.venv/libtorch` is a link to the wheel's `torch/`: its real parent is site-packages.
+    let torch = torch.canonicalize().unwrap_or_else(|_| torch.to_path_buf());
     if let Some(site_packages) = torch.parent() {
         let nvidia = site_packages.join("nvidia");
         for sub in ["cu13/include", "cu12/include", "nccl/include"] {

@@ -563,3 +563,73 @@ fn store_set_get_add_prefix_and_timeouts() {
         Err(DistError::Invalid(_))
     ));
 }
+
+/// NCCL on every visible GPU, one rank per device (NCCL refuses two ranks on one device).
+/// Only built with the `nccl` feature, which is for machines with CUDA: without a device it
+/// fails rather than passing vacuously.
+#[cfg(feature = "nccl")]
+#[test]
+fn nccl_collectives_on_every_visible_gpu() {
+    if let Some(rank) = child_rank() {
+        return nccl_rank(rank);
+    }
+    let _serial = serial();
+    let devices = tch::Cuda::device_count() as usize;
+    assert!(
+        devices > 0,
+        "the nccl feature is on but no CUDA device is visible"
+    );
+    let mut ranks = Ranks::spawn("nccl_collectives_on_every_visible_gpu", devices, &[]);
+    ranks.expect_all_success(Duration::from_secs(120));
+}
+
+#[cfg(feature = "nccl")]
+fn nccl_rank(rank: usize) {
+    let world = World::from_env().expect("torchrun's variables");
+    let options = GroupOptions::nccl(rank, Duration::from_secs(60));
+    let g = ProcessGroup::init(&world, options).expect("NCCL world group");
+    let (n, r) = (g.size() as i64, rank as i64);
+    let cuda = tch::Device::Cuda(rank);
+
+    let mut t = Tensor::from_slice(&[r + 1, 10 * (r + 1)]).to_device(cuda);
+    g.all_reduce(&mut t, ReduceOp::Sum).expect("sum");
+    assert_eq!(
+        i64s(&t.to_device(tch::Device::Cpu)),
+        [n * (n + 1) / 2, 10 * n * (n + 1) / 2]
+    );
+
+    let mut t = Tensor::from_slice(&[r as f64]).to_device(cuda);
+    g.all_reduce(&mut t, ReduceOp::Avg).expect("avg");
+    assert_eq!(f64s(&t.to_device(tch::Device::Cpu)), [(n - 1) as f64 / 2.0]);
+
+    let mut t = Tensor::full([4], r, (Kind::Int64, cuda));
+    g.broadcast(&mut t, g.size() - 1).expect("broadcast");
+    assert_eq!(i64s(&t.to_device(tch::Device::Cpu)), [n - 1; 4]);
+
+    let input = Tensor::from_slice(&[r, -r]).to_device(cuda);
+    let mut output = Tensor::zeros([2 * n], (Kind::Int64, cuda));
+    g.all_gather(&mut output, &input).expect("all_gather");
+    let expected: Vec<i64> = (0..n).flat_map(|i| [i, -i]).collect();
+    assert_eq!(i64s(&output.to_device(tch::Device::Cpu)), expected);
+
+    let input = Tensor::arange(2 * n, (Kind::Int64, cuda));
+    let mut output = Tensor::zeros([2], (Kind::Int64, cuda));
+    g.reduce_scatter(&mut output, &input, ReduceOp::Sum)
+        .expect("reduce_scatter");
+    assert_eq!(
+        i64s(&output.to_device(tch::Device::Cpu)),
+        [2 * r * n, (2 * r + 1) * n]
+    );
+
+    if n >= 2 {
+        if rank == 0 {
+            g.send(&Tensor::from_slice(&[5i64, 6]).to_device(cuda), 1, 0)
+                .expect("send");
+        } else if rank == 1 {
+            let mut t = Tensor::zeros([2], (Kind::Int64, cuda));
+            g.recv(&mut t, 0, 0).expect("recv");
+            assert_eq!(i64s(&t.to_device(tch::Device::Cpu)), [5, 6]);
+        }
+    }
+    g.shutdown().expect("shutdown");
+}
