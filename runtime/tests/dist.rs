@@ -295,6 +295,7 @@ fn collectives_rank(rank: usize) {
     let mut t = Tensor::zeros([1], (Kind::Int64, tch::Device::Cpu));
     assert_invalid(g.broadcast(&mut t, 3), "broadcast root 3 is not a rank");
     assert_invalid(g.send(&t, rank, 0), "cannot send to itself");
+    assert_invalid(g.send(&t, (rank + 1) % 3, u32::MAX), "largest tag");
     assert_invalid(g.all_reduce(&mut t, ReduceOp::Avg), "floating-point");
     let mut short = Tensor::zeros([5], (Kind::Int64, tch::Device::Cpu));
     assert_invalid(
@@ -631,5 +632,24 @@ fn nccl_rank(rank: usize) {
             assert_eq!(i64s(&t.to_device(tch::Device::Cpu)), [5, 6]);
         }
     }
+    g.shutdown().expect("shutdown");
+}
+
+#[test]
+fn a_single_process_world_needs_no_launcher() {
+    if child_rank().is_some() {
+        return;
+    }
+    let _serial = serial();
+    // No launcher variables: rank 0 of 1, on a private store at a port the OS picks.
+    let world = World::from_vars(|_| None).expect("single");
+    let g = ProcessGroup::init(&world, GroupOptions::gloo(Duration::from_secs(10)))
+        .expect("a group of one");
+    let mut t = Tensor::from_slice(&[2.5f64, -1.0]);
+    g.all_reduce(&mut t, ReduceOp::Avg).expect("avg of one");
+    assert_eq!(f64s(&t), [2.5, -1.0]);
+    let mut out = Tensor::zeros([2], (Kind::Double, tch::Device::Cpu));
+    g.all_gather(&mut out, &t).expect("gather of one");
+    assert_eq!(f64s(&out), [2.5, -1.0]);
     g.shutdown().expect("shutdown");
 }

@@ -346,7 +346,7 @@ impl ProcessGroup {
     /// Sends `tensor` to rank `dst`, matched by `dst`'s `recv(_, this rank, tag)`.
     pub fn send(&self, tensor: &Tensor, dst: usize, tag: u32) -> Result<()> {
         check_defined("send", tensor)?;
-        self.check_peer("send to", dst)?;
+        self.check_peer("send to", dst, tag)?;
         self.run_with_peer("send", dst, |raw, timeout| {
             raw.send(tensor, dst, tag, timeout)
         })
@@ -355,7 +355,7 @@ impl ProcessGroup {
     /// Receives into `tensor` (of the sent shape and dtype) what rank `src` sends with `tag`.
     pub fn recv(&self, tensor: &mut Tensor, src: usize, tag: u32) -> Result<()> {
         check_defined("recv", tensor)?;
-        self.check_peer("receive from", src)?;
+        self.check_peer("receive from", src, tag)?;
         self.run_with_peer("recv", src, |raw, timeout| {
             raw.recv(tensor, src, tag, timeout)
         })
@@ -424,8 +424,14 @@ impl ProcessGroup {
         Ok(())
     }
 
-    fn check_peer(&self, what: &str, peer: usize) -> Result<()> {
+    fn check_peer(&self, what: &str, peer: usize, tag: u32) -> Result<()> {
         self.check_rank(what, peer)?;
+        if i32::try_from(tag).is_err() {
+            return Err(DistError::invalid(format!(
+                "tag {tag} exceeds c10d's largest tag {}",
+                i32::MAX
+            )));
+        }
         if peer == self.rank {
             return Err(DistError::invalid(format!(
                 "rank {} of {} cannot {what} itself",
