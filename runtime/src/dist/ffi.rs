@@ -298,9 +298,11 @@ impl Drop for RawStore {
 #[derive(Debug)]
 pub(crate) struct RawGroup(*mut BraidGroup);
 
-// SAFETY: a c10d backend may be driven from any thread (c10d's Python bindings release the GIL
-// around every call, and Gloo/NCCL run the work on their own threads). It is not `Sync`: the
-// order of collectives must be the same on every rank, which concurrent callers would break.
+// SAFETY: a c10d backend is not tied to the thread that created it: ProcessGroupGloo queues
+// work for its own worker threads under a mutex, ProcessGroupNCCL sets the tensor's device on
+// every call, and torch's Python bindings call both from whichever thread holds the GIL. It is
+// not `Sync`: collectives must be issued in one order on every rank, which concurrent callers
+// would break.
 unsafe impl Send for RawGroup {}
 
 impl RawGroup {
