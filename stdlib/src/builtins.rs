@@ -461,7 +461,11 @@ pub const DATASET_SOURCES: &[Builtin] = &[
     Builtin {
         name: "synthetic::letters",
         place: Place::Pipeline,
-        params: &[d("count", "int", "256"), d("seed", "int", "0")],
+        params: &[
+            d("count", "int", "256"),
+            d("seed", "int", "0"),
+            d("split", "string", "\"all\""),
+        ],
         ret: "Dataset",
         doc: "Generated prompts of a few random lowercase letters, for demos (reward: what the model writes next).",
     },
@@ -472,9 +476,24 @@ pub const DATASET_SOURCES: &[Builtin] = &[
             d("count", "int", "256"),
             d("seed", "int", "0"),
             d("digits", "int", "2"),
+            d("split", "string", "\"all\""),
         ],
         ret: "Dataset",
         doc: "Generated addition problems `a + b =` with their answers, for demos of answer-matching rewards.",
+    },
+    Builtin {
+        name: "synthetic::word_problems",
+        place: Place::Pipeline,
+        params: &[
+            d("count", "int", "256"),
+            d("seed", "int", "0"),
+            d("split", "string", "\"all\""),
+        ],
+        ret: "Dataset",
+        doc: "Generated arithmetic word problems of one or two steps (addition, subtraction, multiplication, sharing), \
+              each asking for `Answer: N`; the answer is the number and the record's `difficulty` field the number of steps. \
+              `split: \"train\"` and `split: \"held_out\"` draw disjoint problems (one in eight is held out, by a hash of its text), \
+              so a run can train on one and evaluate on the other.",
     },
 ];
 

@@ -19,7 +19,7 @@ use petgraph::visit::EdgeRef;
 use serde::{Deserialize, Serialize};
 
 use crate::kernel::Kernel;
-pub use crate::settings::{Dtype, Head, LrSchedule, Speculation, SyntheticKind};
+pub use crate::settings::{Dtype, Head, LrSchedule, Speculation, Split, SyntheticKind};
 
 /// A node of a [`TaskGraph`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -885,6 +885,9 @@ pub enum DatasetSource {
         count: i64,
         seed: i64,
         digits: i64,
+        /// Which part of the generated problems (`split:`).
+        #[serde(default)]
+        split: Split,
     },
 }
 

@@ -345,7 +345,7 @@ pub struct TinyConfig {
 
 // A model's head and dtype and an optimizer's schedule are the plan's own enums: the checker
 // produces them, lowering copies them, and no string stands for them anywhere after parsing.
-pub use braid_ir::settings::{Dtype, Head, LrSchedule, SyntheticKind};
+pub use braid_ir::settings::{Dtype, Head, LrSchedule, Split, SyntheticKind};
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct AdamW {
@@ -385,6 +385,8 @@ pub enum DatasetSource {
         count: i64,
         seed: i64,
         digits: i64,
+        /// Which part of the generated problems (`split:`).
+        split: Split,
     },
 }
 

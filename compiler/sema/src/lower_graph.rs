@@ -257,11 +257,13 @@ impl Cx<'_> {
                     count,
                     seed,
                     digits,
+                    split,
                 } => g::DatasetSource::Synthetic {
                     kind: *kind,
                     count: *count,
                     seed: *seed,
                     digits: *digits,
+                    split: *split,
                 },
             },
             prompt_field: d.prompt_field.clone(),
