@@ -243,6 +243,12 @@ fn execute(args: &Args) -> Result<(), Fail> {
             }
             eprintln!("checkpoint: step {step} → {}", dir.display());
         }
+        Event::Eval { step, metrics } => {
+            if fancy {
+                eprint!("\r\x1b[2K");
+            }
+            eprintln!("{}", eval_line(step, metrics));
+        }
     };
     let result = ex.run(&mut on_event);
     if fancy {
@@ -375,6 +381,25 @@ fn unstreamed(
         }
     }
     out
+}
+
+/// `eval after step N: reward R  accuracy A  (length L)`.
+fn eval_line(step: i64, metrics: &std::collections::BTreeMap<String, f64>) -> String {
+    let mut parts = vec![if step == 0 {
+        "eval before training:".to_string()
+    } else {
+        format!("eval after step {step}:")
+    }];
+    if let Some(r) = metrics.get("eval/reward_mean") {
+        parts.push(format!("reward {r:.4}"));
+    }
+    if let Some(a) = metrics.get("eval/accuracy") {
+        parts.push(format!("accuracy {a:.3}"));
+    }
+    if let Some(l) = metrics.get("eval/response_length") {
+        parts.push(format!("length {l:.1}"));
+    }
+    parts.join("  ")
 }
 
 fn clock(secs: f64) -> String {

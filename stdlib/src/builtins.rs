@@ -528,6 +528,38 @@ pub const RUN_SETTINGS: &[OptionSpec] = &[
         "int",
         "Write a checkpoint every this many steps (> 0), and always at the end. Default 50.",
     ),
+    o(
+        "eval",
+        "record",
+        "Evaluation on held-out prompts during the run: `eval: { every: 10, prompts: held_out, n: 1, greedy }`. \
+         Logs `eval/reward_mean` and `eval/accuracy` before the first step, every `every` steps and after the last.",
+    ),
+];
+
+/// Keys of the run's `eval` record.
+pub const EVAL_OPTIONS: &[OptionSpec] = &[
+    o(
+        "every",
+        "int",
+        "Evaluate every this many steps (> 0), and before the first step and after the last.",
+    ),
+    o(
+        "prompts",
+        "Dataset",
+        "The held-out dataset: every record is answered at each evaluation. It must not be (or contain) the training data.",
+    ),
+    o("n", "int", "Samples per prompt (> 0). Default 1."),
+    o("greedy", "bool", "Decode greedily (the usual evaluation)."),
+    o(
+        "temperature",
+        "float",
+        "Sampling temperature (> 0) when not greedy. Default 1.0.",
+    ),
+    o(
+        "max_new_tokens",
+        "int",
+        "Tokens per answer (> 0). Default: the run's `max_new_tokens`.",
+    ),
 ];
 
 /// Fields of a `Sample` in a `fn` body.

@@ -918,6 +918,19 @@ pub struct Plan {
     pub settings: Vec<(String, Const)>,
     /// Sequences per forward pass in inference and training.
     pub micro_batch: i64,
+    /// Evaluation on held-out prompts during the run (the run's `eval` setting).
+    pub eval: Option<EvalSpec>,
+}
+
+/// Evaluation during a run: every `every` steps (and before the first and after the last),
+/// the trained policy answers every record of `dataset` and the run's reward scores them.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EvalSpec {
+    pub every: i64,
+    /// Index into `Plan::datasets`.
+    pub dataset: u32,
+    /// Samples per prompt and how they are drawn; the tokens default to the run's.
+    pub params: GenParams,
 }
 
 impl Plan {

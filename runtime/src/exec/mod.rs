@@ -46,6 +46,7 @@ use crate::training::optim::AdamW;
 
 mod compute;
 pub mod data;
+mod eval;
 mod record;
 mod setup;
 mod stream;
@@ -95,6 +96,12 @@ pub enum Event<'a> {
     },
     /// A checkpoint of step `step` was written.
     Checkpoint { step: i64, dir: &'a Path },
+    /// The held-out prompts were evaluated after `step` steps (0: before training); `metrics`
+    /// holds the `eval/…` values (with the step's, when it follows a step).
+    Eval {
+        step: i64,
+        metrics: &'a BTreeMap<String, f64>,
+    },
 }
 
 /// A model of the run.

@@ -68,29 +68,34 @@ impl<'p> Executor<'p> {
         let mut tb = crate::exec::tensorboard::EventWriter::create(
             &self.options.run_dir.join("tensorboard"),
         )?;
+        if self.first_step == 0 && self.evaluates_at(0) {
+            // The policy before training: a line of its own, step 0.
+            let metrics = self.evaluate()?;
+            write_metrics(&metrics_path, &mut tb, 0, &metrics)?;
+            on_event(Event::Eval {
+                step: 0,
+                metrics: &metrics,
+            });
+        }
         for step in self.first_step..self.total_steps {
-            let (metrics, lengths) = self.step(step)?;
-            lengths_seen.extend(lengths);
-            let mut line = serde_json::Map::new();
-            line.insert("step".into(), serde_json::json!(step + 1));
-            for (k, v) in &metrics {
-                line.insert(
-                    k.clone(),
-                    if v.is_finite() {
-                        serde_json::json!(v)
-                    } else {
-                        serde_json::Value::Null
-                    },
-                );
+            let (mut metrics, lengths) = self.step(step)?;
+            let evaluated = self.evaluates_at(step + 1);
+            if evaluated {
+                metrics.extend(self.evaluate()?);
             }
-            checkpoint::append_line(&metrics_path, &serde_json::Value::Object(line).to_string())?;
-            let scalars: Vec<(&str, f64)> = metrics.iter().map(|(k, v)| (k.as_str(), *v)).collect();
-            tb.scalars(step + 1, &scalars)?;
+            lengths_seen.extend(lengths);
+            write_metrics(&metrics_path, &mut tb, step + 1, &metrics)?;
             on_event(Event::Step {
                 step: step + 1,
                 total: self.total_steps,
                 metrics: &metrics,
             });
+            if evaluated {
+                on_event(Event::Eval {
+                    step: step + 1,
+                    metrics: &metrics,
+                });
+            }
             let done = step + 1;
             if (every > 0 && done % every == 0) || done == self.total_steps {
                 let dir = self.checkpoint(done)?;
@@ -175,6 +180,31 @@ impl<'p> Executor<'p> {
         let total: f64 = a.values.iter().zip(&b.values).map(|(x, y)| x - y).sum();
         Some(total / n as f64)
     }
+}
+
+/// Appends one step's line to `metrics.jsonl` (non-finite values as `null`) and its scalars
+/// to TensorBoard.
+fn write_metrics(
+    path: &Path,
+    tb: &mut crate::exec::tensorboard::EventWriter,
+    step: i64,
+    metrics: &BTreeMap<String, f64>,
+) -> Result<()> {
+    let mut line = serde_json::Map::new();
+    line.insert("step".into(), serde_json::json!(step));
+    for (k, v) in metrics {
+        line.insert(
+            k.clone(),
+            if v.is_finite() {
+                serde_json::json!(v)
+            } else {
+                serde_json::Value::Null
+            },
+        );
+    }
+    checkpoint::append_line(path, &serde_json::Value::Object(line).to_string())?;
+    let scalars: Vec<(&str, f64)> = metrics.iter().map(|(k, v)| (k.as_str(), *v)).collect();
+    tb.scalars(step, &scalars)
 }
 
 pub(super) fn mean_std(x: &[f64]) -> (f64, f64) {
