@@ -40,6 +40,14 @@ pub struct Args {
     /// Print one plain line per step even on a terminal.
     #[arg(long)]
     plain: bool,
+    /// Print one of each step's generations (prompt, completion, reward, advantage), as
+    /// written to RUN_DIR/samples.jsonl.
+    #[arg(long)]
+    show_samples: bool,
+    /// Evaluate the policy of a checkpoint (a `checkpoints/step-N` directory, or a run
+    /// directory for its latest) on the run's `eval` prompts, print the metrics and exit.
+    #[arg(long, value_name = "CHECKPOINT", conflicts_with_all = ["resume", "steps"])]
+    eval_only: Option<PathBuf>,
 }
 
 struct Fail(String, u8);
@@ -119,6 +127,13 @@ fn execute(args: &Args) -> Result<(), Fail> {
         eprintln!("{note}");
     }
     let no_stream = unstreamed(&plan, &crate::plan::pins_of(&checked.program, &plan));
+    let base_dir = file
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| PathBuf::from("."));
+    if let Some(ckpt) = &args.eval_only {
+        return eval_only(&plan, ckpt, base_dir, args, device);
+    }
 
     let resume = args.resume.is_some();
     if !resume && run_dir.exists() {
@@ -150,10 +165,6 @@ fn execute(args: &Args) -> Result<(), Fail> {
     )
     .map_err(runtime_err)?;
 
-    let base_dir = file
-        .parent()
-        .map(Path::to_path_buf)
-        .unwrap_or_else(|| PathBuf::from("."));
     let options = RunOptions {
         run_dir: run_dir.clone(),
         base_dir,
@@ -201,6 +212,7 @@ fn execute(args: &Args) -> Result<(), Fail> {
             step,
             total,
             metrics,
+            samples,
         } => {
             let done = (step - first).max(1) as f64;
             let eta = start.elapsed().as_secs_f64() / done * (total - step) as f64;
@@ -235,6 +247,14 @@ fn execute(args: &Args) -> Result<(), Fail> {
                 let _ = std::io::stderr().flush();
             } else {
                 eprintln!("{}", parts.join("  "));
+            }
+            if args.show_samples
+                && let Some(s) = samples.first()
+            {
+                if fancy {
+                    eprintln!();
+                }
+                eprintln!("{}", sample_text(s));
             }
         }
         Event::Checkpoint { step, dir } => {
@@ -383,9 +403,83 @@ fn unstreamed(
     out
 }
 
+/// `--eval-only CHECKPOINT`: the run's evaluation of a saved policy. Prints the metrics as one
+/// JSON object on stdout and the usual eval line on stderr; writes nothing.
+fn eval_only(
+    plan: &braid_ir::graph::Plan,
+    ckpt: &Path,
+    base_dir: PathBuf,
+    args: &Args,
+    device: braid_runtime::Device,
+) -> Result<(), Fail> {
+    if plan.eval.is_none() {
+        return Err(Fail(
+            "--eval-only: the run has no `eval` setting (add `eval: { every: …, prompts: … }` to the run)".into(),
+            2,
+        ));
+    }
+    // A run directory stands for its latest checkpoint.
+    let dir = if ckpt.join("state.json").exists() {
+        ckpt.to_path_buf()
+    } else {
+        match braid_runtime::training::checkpoint::latest(ckpt).map_err(runtime_err)? {
+            Some((_, d)) => d,
+            None => {
+                return Err(Fail(
+                    format!(
+                        "{}: not a checkpoint (no state.json) nor a run directory with checkpoints",
+                        ckpt.display()
+                    ),
+                    2,
+                ));
+            }
+        }
+    };
+    let options = RunOptions {
+        run_dir: ckpt.to_path_buf(),
+        base_dir,
+        resume: false,
+        threads: args.threads.max(1),
+        steps: None,
+        checkpoint_every: None,
+        fuse: false,
+        no_stream: Default::default(),
+        device,
+    };
+    let mut ex = Executor::new(plan, options).map_err(runtime_err)?;
+    ex.load_trained(&dir).map_err(runtime_err)?;
+    let metrics = ex.evaluate().map_err(runtime_err)?;
+    eprintln!("{}: {}", dir.display(), eval_line(-1, &metrics));
+    let json: serde_json::Map<String, serde_json::Value> = metrics
+        .iter()
+        .map(|(k, v)| (k.clone(), serde_json::json!(v)))
+        .collect();
+    println!("{}", serde_json::Value::Object(json));
+    Ok(())
+}
+
+/// One line of `samples.jsonl` for the terminal (`--show-samples`).
+fn sample_text(s: &serde_json::Value) -> String {
+    let text = |k: &str| s.get(k).and_then(|v| v.as_str()).unwrap_or("");
+    let num = |k: &str| {
+        s.get(k)
+            .and_then(|v| v.as_f64())
+            .map_or_else(|| "-".to_string(), |x| format!("{x:.3}"))
+    };
+    format!(
+        "  sample  reward {}  advantage {}\n  prompt: {:?}\n  completion: {:?}",
+        num("reward"),
+        num("advantage"),
+        text("prompt"),
+        text("completion")
+    )
+}
+
 /// `eval after step N: reward R  accuracy A  (length L)`.
 fn eval_line(step: i64, metrics: &std::collections::BTreeMap<String, f64>) -> String {
-    let mut parts = vec![if step == 0 {
+    let mut parts = vec![if step < 0 {
+        "eval:".to_string()
+    } else if step == 0 {
         "eval before training:".to_string()
     } else {
         format!("eval after step {step}:")
