@@ -140,6 +140,17 @@ fn cluster_of(program: &Program, flag: Option<&str>) -> Result<ClusterSpec, Stri
 /// A Hugging Face model's shape: `config.json` in its directory (relative to the program),
 /// else a preset named by the directory (`llama-13b`, `qwen2.5-0.5b-instruct`).
 fn hf_shape(base: &Path, dir: &str) -> Result<ModelShape, String> {
+    #[cfg(feature = "runtime")]
+    {
+        // A GGUF file: its metadata, as the config.json a Hugging Face directory would hold.
+        let file = base.join(dir);
+        if braid_runtime::models::gguf::is_gguf(&file) {
+            let json = braid_runtime::models::gguf::GgufFile::open(&file)
+                .and_then(|g| g.config_json())
+                .map_err(|e| e.to_string())?;
+            return ModelShape::from_hf_config(dir, &json).map_err(|e| e.to_string());
+        }
+    }
     let path = base.join(dir).join("config.json");
     if let Ok(text) = std::fs::read_to_string(&path) {
         let json: serde_json::Value =
