@@ -7,8 +7,8 @@ mod builtins;
 
 pub use builtins::{
     BUILTINS, Builtin, BuiltinParam, CLUSTER_OPTIONS, DATASET_OPTIONS, DATASET_SOURCES, DEVICES,
-    FIELD_OPTIONS, MODEL_OPTIONS, MODEL_SOURCES, OptionSpec, Place, RUN_SETTINGS, SAMPLE_FIELDS,
-    builtin,
+    EVAL_OPTIONS, FIELD_OPTIONS, MODEL_OPTIONS, MODEL_SOURCES, OptionSpec, Place, RUN_SETTINGS,
+    SAMPLE_FIELDS, builtin,
 };
 
 /// A standard-library module: `use std::NAME`.
