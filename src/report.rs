@@ -5,7 +5,7 @@
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 #[derive(clap::Args)]
@@ -308,6 +308,7 @@ fn report(args: &Args) -> Result<PathBuf, (String, u8)> {
         "<h2>Stage timeline</h2><p>Per step: generation (blue), inference streamed under it (light orange band), inference after generation (orange), <code>fn</code> kernels (green), training (red).</p>\n",
     );
     html.push_str(&timeline(&rows));
+    html.push_str(&measured_and_simulated(&args.run_dir)?);
     html.push_str(&samples(&args.run_dir)?);
     html.push_str("\n</body></html>\n");
     let out = args
@@ -316,4 +317,79 @@ fn report(args: &Args) -> Result<PathBuf, (String, u8)> {
         .unwrap_or_else(|| args.run_dir.join("report.html"));
     std::fs::write(&out, html).map_err(|e| (format!("{}: cannot write: {e}", out.display()), 1))?;
     Ok(out)
+}
+
+/// The spans of a Chrome trace `RUN_DIR/timeline.json` (what every rank ran in the run's
+/// latest step), and the number of ranks.
+fn measured_spans(path: &Path) -> Result<(Vec<braid_cost::sim::Span>, usize), (String, u8)> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| (format!("{}: cannot read: {e}", path.display()), 1))?;
+    let v: serde_json::Value = serde_json::from_str(&text)
+        .map_err(|e| (format!("{}: not a trace: {e}", path.display()), 1))?;
+    let events = v["traceEvents"]
+        .as_array()
+        .ok_or_else(|| (format!("{}: no `traceEvents`", path.display()), 1))?;
+    let mut spans = Vec::new();
+    let mut devices = 1;
+    for e in events {
+        let tid = e["tid"].as_u64().unwrap_or(0) as usize;
+        devices = devices.max(tid + 1);
+        if e["ph"] != "X" {
+            continue;
+        }
+        let (ts, dur) = (
+            e["ts"].as_f64().unwrap_or(0.0),
+            e["dur"].as_f64().unwrap_or(0.0),
+        );
+        spans.push(braid_cost::sim::Span {
+            device: tid,
+            iteration: e["args"]["iteration"].as_u64().unwrap_or(0) as u32,
+            task: e["args"]["task"].as_str().unwrap_or("").to_string(),
+            stage: e["cat"].as_str().unwrap_or("").to_string(),
+            label: e["name"].as_str().unwrap_or("").to_string(),
+            start: ts / 1e6,
+            end: (ts + dur) / 1e6,
+        });
+    }
+    Ok((spans, devices))
+}
+
+/// The measured timeline of the run's latest step beside the one `braid sim` predicts for the
+/// same plan (one iteration, the plan's workload), each a row per device.
+fn measured_and_simulated(run_dir: &Path) -> Result<String, (String, u8)> {
+    let trace = run_dir.join("timeline.json");
+    if !trace.exists() {
+        return Ok(String::new());
+    }
+    let (spans, devices) = measured_spans(&trace)?;
+    let total = spans.iter().map(|s| s.end).fold(0.0, f64::max);
+    let mut html = format!(
+        "<h2>Timeline of the latest step, measured</h2><p>What every rank ran, from <code>timeline.json</code> (Chrome trace events; open it in Perfetto): {:.3} s.</p>\n{}",
+        total,
+        braid_cost::sim::spans_to_svg(&spans, devices, total)
+    );
+    let plan_path = run_dir.join("plan.json");
+    if let Ok(text) = std::fs::read_to_string(&plan_path)
+        && let Ok(plan) = braid_ir::exec_plan::ExecPlan::from_json(&text)
+    {
+        let a = braid_passes::annotated::Annotated::from_exec_plan(&plan);
+        let opts = braid_cost::sim::SimOptions {
+            iterations: 1,
+            seed: plan.seed,
+        };
+        match braid_passes::to_sim::simulate_plan(&a, true, &opts) {
+            Ok(r) => {
+                let _ = write!(
+                    html,
+                    "<h2>Timeline of one iteration, simulated</h2><p>What <code>braid sim</code> predicts for the same plan on its cost model: {:.3} s per iteration.</p>\n{}",
+                    r.mean_iteration_time,
+                    braid_cost::sim::to_svg(&r, plan.cluster.devices() as usize)
+                );
+            }
+            Err(e) => {
+                let _ = write!(html, "<p>The plan could not be simulated: {}</p>", esc(&e));
+            }
+        }
+    }
+    Ok(html)
 }

@@ -144,6 +144,24 @@ fn quickstart_learns_and_leaves_a_loadable_checkpoint() {
     let html = std::fs::read_to_string(run_dir.join("report.html")).unwrap();
     assert!(html.contains("<title>reward_mean</title>") && html.contains("stage timeline"));
     assert!(html.matches("<svg").count() > 10);
+    // The latest step's measured timeline (Chrome trace events) beside the simulated one.
+    let trace: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(run_dir.join("timeline.json")).unwrap())
+            .unwrap();
+    let events = trace["traceEvents"].as_array().unwrap();
+    let cats: std::collections::BTreeSet<&str> = events
+        .iter()
+        .filter(|e| e["ph"] == "X")
+        .map(|e| e["cat"].as_str().unwrap())
+        .collect();
+    for stage in ["generate", "train"] {
+        assert!(cats.contains(stage), "no {stage} span in {cats:?}");
+    }
+    for e in events.iter().filter(|e| e["ph"] == "X") {
+        assert!(e["dur"].as_f64().unwrap() >= 0.0 && e["ts"].as_f64().unwrap() >= 0.0);
+    }
+    assert!(html.contains("Timeline of the latest step, measured"));
+    assert!(html.contains("Timeline of one iteration, simulated"));
     let out = braid(&["report", dir.to_str().unwrap()]);
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("metrics.jsonl"));

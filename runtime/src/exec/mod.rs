@@ -26,6 +26,7 @@ use std::sync::Arc;
 use std::sync::mpsc;
 use std::time::Instant;
 
+use braid_cost::sim::Span;
 use braid_ir::exec_plan::ExecPlan;
 use braid_ir::graph::{
     ArithOp, Const, LossKind, ModelSource, ModelSpec, NodeId, Op, Operand, Plan,
@@ -172,6 +173,38 @@ pub struct Executor<'p> {
     first_step: i64,
     /// The generations of the last step to record in `samples.jsonl`.
     last_samples: Vec<serde_json::Value>,
+    /// What this rank ran in the current step and when (seconds from the step's start).
+    timeline: Vec<Span>,
+}
+
+impl Executor<'_> {
+    /// `generate(policy)`: how a call is named in timelines.
+    fn call_name(&self, id: NodeId) -> String {
+        match self.plan.graph.node(id) {
+            Some(n) => match n.op.model().and_then(|m| self.plan.models.get(m as usize)) {
+                Some(m) => format!("{}({})", n.op.name(), m.name),
+                None => n.op.name().to_string(),
+            },
+            None => id.to_string(),
+        }
+    }
+
+    /// Records that this rank ran node `id` from `start` to `end` (seconds into the step).
+    fn span(&mut self, step: i64, id: NodeId, stage: &str, start: f64, end: f64) {
+        let label = match self.plan.graph.node(id).map(|n| &n.op) {
+            Some(Op::Kernel { func, .. }) => func.clone(),
+            _ => self.call_name(id),
+        };
+        self.timeline.push(Span {
+            device: self.comm.rank,
+            iteration: step as u32,
+            task: format!("{id} {label}"),
+            stage: stage.to_string(),
+            label,
+            start,
+            end,
+        });
+    }
 }
 
 /// Generations per step written to `samples.jsonl`: the first sample of each of this many
@@ -182,6 +215,7 @@ impl<'p> Executor<'p> {
     /// One iteration of the graph.
     fn step(&mut self, step: i64) -> Result<(BTreeMap<String, f64>, Vec<usize>)> {
         let t_step = Instant::now();
+        self.timeline.clear();
         let mut vals: BTreeMap<NodeId, Val> = BTreeMap::new();
         let mut m: BTreeMap<String, f64> = BTreeMap::new();
         let mut time: BTreeMap<&'static str, f64> = BTreeMap::new();
@@ -213,6 +247,33 @@ impl<'p> Executor<'p> {
                 Op::Generate { .. } => {
                     let (rollout, streamed, stats) =
                         self.generate(id, &inputs, &vals, derive(seed, u64::from(id.0)))?;
+                    let g0 = t0.duration_since(t_step).as_secs_f64();
+                    if stats.gen_seconds > 0.0 {
+                        self.span(step, id, "generate", g0, g0 + stats.gen_seconds);
+                    }
+                    let consumers: Vec<String> = self
+                        .exec
+                        .streamed(id)
+                        .iter()
+                        .map(|(c, _)| self.call_name(*c))
+                        .collect();
+                    for (a, b) in &stats.chunks {
+                        self.timeline.push(Span {
+                            device: self.comm.rank,
+                            iteration: step as u32,
+                            task: format!("{id} streamed"),
+                            stage: "inference (streamed)".into(),
+                            label: format!(
+                                "streamed under {}: {}",
+                                self.call_name(id),
+                                consumers.join(", ")
+                            ),
+                            start: g0 + a,
+                            end: g0 + b,
+                        });
+                    }
+                    let end = t_step.elapsed().as_secs_f64();
+                    self.span(step, id, "gather", g0 + stats.gen_seconds.max(0.0), end);
                     *time.entry("generate").or_default() += stats.gen_seconds;
                     *time.entry("infer").or_default() += stats.infer_seconds;
                     m.insert("time/infer_hidden".into(), stats.hidden_share());
@@ -336,8 +397,26 @@ impl<'p> Executor<'p> {
                     Val::Unit
                 }
             };
+            let stage = match &node.op {
+                Op::Logprobs { .. } | Op::Values { .. } | Op::Score { .. } => Some("inference"),
+                Op::Kernel { .. } => Some("kernels"),
+                Op::Train { .. } => Some("train"),
+                _ => None,
+            };
+            if let Some(stage) = stage {
+                let (a, b) = (
+                    t0.duration_since(t_step).as_secs_f64(),
+                    t_step.elapsed().as_secs_f64(),
+                );
+                self.span(step, id, stage, a, b);
+            }
             vals.insert(id, v);
+            let t1 = t_step.elapsed().as_secs_f64();
             self.transfers_after(id)?;
+            let t2 = t_step.elapsed().as_secs_f64();
+            if t2 - t1 > 1e-4 {
+                self.span(step, id, "transfer", t1, t2);
+            }
         }
         // Rewards, KL and lengths of the rollout the policy learns from.
         if let Some(Val::PerSample(r)) = self.reward_node.and_then(|n| vals.get(&n)) {

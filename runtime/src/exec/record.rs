@@ -146,6 +146,7 @@ impl<'p> Executor<'p> {
         for step in self.first_step..self.total_steps {
             let (mine, lengths) = self.step(step)?;
             let mut metrics = self.gather_metrics(mine)?;
+            self.write_timeline()?;
             let evaluated = self.evaluates_at(step + 1);
             if evaluated {
                 metrics.extend(self.evaluate()?);
@@ -187,6 +188,27 @@ impl<'p> Executor<'p> {
             )?;
         }
         Ok(())
+    }
+
+    /// Every rank's spans of the step just done, written by rank 0 as Chrome trace-event JSON
+    /// (`RUN_DIR/timeline.json`, the format `braid sim --trace` writes: one thread per rank):
+    /// the measured timeline of the run's latest step, which `braid report` shows beside the
+    /// simulated one.
+    fn write_timeline(&self) -> Result<()> {
+        let mine = serde_json::to_vec(&self.timeline)
+            .map_err(|e| Error::invalid("timeline", e.to_string()))?;
+        let all = self.comm.all_gather_bytes(mine)?;
+        if !self.writes() {
+            return Ok(());
+        }
+        let mut spans: Vec<Span> = Vec::new();
+        for part in all {
+            let s: Vec<Span> = serde_json::from_slice(&part)
+                .map_err(|e| Error::invalid("timeline", e.to_string()))?;
+            spans.extend(s);
+        }
+        let json = braid_cost::sim::spans_to_chrome_trace(&spans, self.comm.size.max(1));
+        checkpoint::write_atomic(&self.options.run_dir.join("timeline.json"), json.as_bytes())
     }
 
     /// The step's metrics on rank 0, from every rank's: a rank reports what it computed (a

@@ -184,6 +184,7 @@ impl<'p> Executor<'p> {
             total_steps,
             first_step: 0,
             last_samples: Vec::new(),
+            timeline: Vec::new(),
         };
         for model in needs_replica {
             let i = model as usize;

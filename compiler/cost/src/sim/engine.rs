@@ -37,7 +37,7 @@ impl Default for SimOptions {
 }
 
 /// Something one device did: a chunk of work of one task.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, serde::Deserialize)]
 pub struct Span {
     pub device: usize,
     pub iteration: u32,

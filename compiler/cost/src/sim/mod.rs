@@ -18,7 +18,7 @@ pub use engine::{
     StageTime, pick_migration_threshold, simulate,
 };
 pub use lengths::{LengthDist, LengthError};
-pub use trace::{to_chrome_trace, to_svg};
+pub use trace::{spans_to_chrome_trace, spans_to_svg, to_chrome_trace, to_svg};
 
 #[cfg(test)]
 mod tests {

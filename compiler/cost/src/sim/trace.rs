@@ -58,8 +58,8 @@ struct Trace<'a> {
 }
 
 /// Sorted copy of the spans: by device, then start, then task — the order renderers use.
-fn sorted_spans(report: &SimReport) -> Vec<&Span> {
-    let mut spans: Vec<&Span> = report.timeline.iter().collect();
+fn sorted_spans(timeline: &[Span]) -> Vec<&Span> {
+    let mut spans: Vec<&Span> = timeline.iter().collect();
     spans.sort_by(|a, b| {
         a.device
             .cmp(&b.device)
@@ -72,6 +72,11 @@ fn sorted_spans(report: &SimReport) -> Vec<&Span> {
 /// The timeline as Chrome trace-event JSON: one thread per device, one complete event ("X")
 /// per span, named by its label and categorised by stage.
 pub fn to_chrome_trace(report: &SimReport, devices: usize) -> String {
+    spans_to_chrome_trace(&report.timeline, devices)
+}
+
+/// [`to_chrome_trace`] of any spans (a measured timeline too).
+pub fn spans_to_chrome_trace(timeline: &[Span], devices: usize) -> String {
     let mut events: Vec<AnyEvent<'_>> = (0..devices)
         .map(|d| {
             AnyEvent::Meta(ThreadName {
@@ -85,7 +90,7 @@ pub fn to_chrome_trace(report: &SimReport, devices: usize) -> String {
             })
         })
         .collect();
-    for s in sorted_spans(report) {
+    for s in sorted_spans(timeline) {
         events.push(AnyEvent::Span(TraceEvent {
             name: &s.label,
             cat: &s.stage,
@@ -126,14 +131,19 @@ fn escape(s: &str) -> String {
 /// The timeline as an SVG: a row per device, a rectangle per span coloured by stage (with its
 /// label as a tooltip), a time axis in seconds and a legend.
 pub fn to_svg(report: &SimReport, devices: usize) -> String {
+    spans_to_svg(&report.timeline, devices, report.total_time)
+}
+
+/// [`to_svg`] of any spans over `total` seconds (a measured timeline too).
+pub fn spans_to_svg(timeline: &[Span], devices: usize, total: f64) -> String {
     let width = 1200.0;
     let left = 80.0;
     let row = 18.0;
     let top = 30.0;
     let plot = width - left - 20.0;
-    let total = report.total_time.max(1e-12);
+    let total = total.max(1e-12);
     let mut stages: Vec<&str> = Vec::new();
-    for s in &report.timeline {
+    for s in timeline {
         if !stages.contains(&s.stage.as_str()) {
             stages.push(&s.stage);
         }
@@ -153,7 +163,7 @@ pub fn to_svg(report: &SimReport, devices: usize) -> String {
             y + row * 0.7
         );
     }
-    for s in sorted_spans(report) {
+    for s in sorted_spans(timeline) {
         let x = left + plot * s.start / total;
         let w = (plot * (s.end - s.start) / total).max(0.5);
         let y = top + row * s.device as f64 + 1.0;
