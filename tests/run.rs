@@ -50,9 +50,33 @@ fn tmp(name: &str) -> PathBuf {
     d
 }
 
+/// A run's metrics. With `BRAID_TEST_METRICS_DIR` set, each run's `metrics.jsonl` is also
+/// copied there (named after the test's directory and the run's), so that two builds' numbers
+/// can be compared line by line (`scripts/compare_metrics.py`).
 fn metrics(run_dir: &Path) -> Vec<serde_json::Map<String, serde_json::Value>> {
-    std::fs::read_to_string(run_dir.join("metrics.jsonl"))
-        .unwrap()
+    let text = std::fs::read_to_string(run_dir.join("metrics.jsonl")).unwrap();
+    if let Some(out) = std::env::var_os("BRAID_TEST_METRICS_DIR") {
+        let name = |p: Option<&Path>| {
+            p.and_then(|p| p.file_name())
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default()
+        };
+        // `tmp` names directories `braid-run-NAME-PID`.
+        let test = name(run_dir.parent());
+        let test = test
+            .strip_prefix("braid-run-")
+            .and_then(|t| t.rsplit_once('-'))
+            .map_or(test.as_str(), |t| t.0)
+            .to_string();
+        let out = PathBuf::from(out);
+        std::fs::create_dir_all(&out).unwrap();
+        std::fs::write(
+            out.join(format!("{test}-{}.jsonl", name(Some(run_dir)))),
+            &text,
+        )
+        .unwrap();
+    }
+    text
         .lines()
         .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
         .map(|v| v.as_object().unwrap().clone())
