@@ -2,3 +2,4 @@
 
 pub mod graph;
 pub mod kernel;
+pub mod loss;
