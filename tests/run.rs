@@ -76,8 +76,7 @@ fn metrics(run_dir: &Path) -> Vec<serde_json::Map<String, serde_json::Value>> {
         )
         .unwrap();
     }
-    text
-        .lines()
+    text.lines()
         .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
         .map(|v| v.as_object().unwrap().clone())
         .collect()

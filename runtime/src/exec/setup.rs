@@ -278,8 +278,8 @@ pub(super) fn copy_weights(dst: &mut Model, src: &Model) -> Result<()> {
 }
 
 /// `logprobs` nodes that need no inference pass: on a trained model, every consumer a loss
-/// whose every consumer (directly or through `+`) is a `train` of that model on the same
-/// rollout with one epoch and one mini-batch. That `train` takes a single optimizer step, so
+/// whose every consumer is a `train` of that model on the same rollout with one epoch and one
+/// mini-batch. That `train` takes a single optimizer step, so
 /// its forward pass computes the model's log-probabilities before the update — exactly what
 /// the node stands for (TRL does the same when the update is on-policy). The values are taken,
 /// detached, from that forward pass; the node is filled in after the `train`.
@@ -297,23 +297,15 @@ pub(super) fn reusable_logprobs(plan: &Plan) -> BTreeSet<NodeId> {
         let rollout = g.inputs(id).first().copied();
         let consumers = g.consumers(id);
         let trains_ok = |loss: NodeId| -> bool {
-            // Follow loss sums to the trains.
-            let mut frontier = vec![loss];
-            let mut found = false;
-            while let Some(n) = frontier.pop() {
-                for c in g.consumers(n) {
-                    match g.node(c).map(|x| &x.op) {
-                        Some(Op::LossSum { .. }) => frontier.push(c),
-                        Some(Op::Train {
-                            model: m,
-                            epochs: 1,
-                            minibatches: 1,
-                        }) if m == model && g.inputs(c).first().copied() == rollout => found = true,
-                        _ => return false,
-                    }
-                }
-            }
-            found
+            let trains = g.consumers(loss);
+            !trains.is_empty()
+                && trains.iter().all(|c| {
+                    matches!(g.node(*c).map(|x| &x.op), Some(Op::Train {
+                        model: m,
+                        epochs: 1,
+                        minibatches: 1,
+                    }) if m == model && g.inputs(*c).first().copied() == rollout)
+                })
         };
         if trained
             && !consumers.is_empty()

@@ -259,6 +259,14 @@ impl ObjectiveBuilder {
         self.push(Op::Reduce(op, x))
     }
 
+    /// A per-sample value at each token of its sample; a per-token or constant value as it is.
+    pub fn broadcast(&mut self, x: Value) -> Value {
+        match self.level(x) {
+            Some(Level::Sample) => self.push(Op::Broadcast(x)),
+            _ => x,
+        }
+    }
+
     /// The sum over the micro-batch of a per-token or per-sample value (its share of the
     /// mini-batch's sum).
     pub fn batch_sum(&mut self, x: Value) -> Value {
@@ -309,14 +317,13 @@ impl ObjectiveBuilder {
         })
     }
 
-    /// Declares a metric. A name declared twice keeps its first value (a loss that calls
-    /// another declares the callee's metrics once).
+    /// Declares a metric. The same name may be declared again (by two losses of a sum): the
+    /// trainer reports the mean over all elements of all its declarations.
     pub fn metric(&mut self, name: impl Into<String>, value: Value) {
-        let name = name.into();
-        if self.o.metrics.iter().any(|m| m.name == name) {
-            return;
-        }
-        self.o.metrics.push(Metric { name, value });
+        self.o.metrics.push(Metric {
+            name: name.into(),
+            value,
+        });
     }
 
     /// The objective with `result` as its loss, without the instructions nothing uses,
@@ -371,6 +378,7 @@ impl ObjectiveBuilder {
                     hi: map(&new_index, *hi),
                 },
                 Op::Reduce(r, x) => Op::Reduce(*r, map(&new_index, *x)),
+                Op::Broadcast(x) => Op::Broadcast(map(&new_index, *x)),
                 Op::BatchSum { x, count, scale } => Op::BatchSum {
                     x: map(&new_index, *x),
                     count: *count,

@@ -334,6 +334,9 @@ pub enum Op {
     },
     /// A reduction of a per-token value over each sample's tokens: one number per sample.
     Reduce(ReduceOp, Value),
+    /// A per-sample value at each of its sample's tokens (a per-sample argument of a per-token
+    /// parameter).
+    Broadcast(Value),
     /// The sum of a per-token or per-sample value over the micro-batch's elements, divided by
     /// `count` of the mini-batch times `scale`: the micro-batch's share of a mini-batch
     /// reduction. The only way to the loss level.
@@ -372,7 +375,8 @@ pub struct Objective {
     pub insts: Vec<Inst>,
     /// The loss: a loss-level float.
     pub result: Value,
-    /// The declared diagnostics, in declaration order; names are unique.
+    /// The declared diagnostics, in declaration order. A name may repeat (the losses of a sum
+    /// may declare the same metric): the trainer reports the mean over all its declarations.
     pub metrics: Vec<Metric>,
 }
 
@@ -403,7 +407,9 @@ impl Objective {
             Op::Const(_) | Op::ConstBool(_) | Op::Input(_) | Op::Model(_) | Op::Layout(_) => {
                 Vec::new()
             }
-            Op::Unary(_, x) | Op::Reduce(_, x) | Op::BatchSum { x, .. } => vec![*x],
+            Op::Unary(_, x) | Op::Reduce(_, x) | Op::Broadcast(x) | Op::BatchSum { x, .. } => {
+                vec![*x]
+            }
             Op::Binary(_, a, b) => vec![*a, *b],
             Op::Select { cond, then, else_ } => vec![*cond, *then, *else_],
             Op::Clamp { x, lo, hi } => vec![*x, *lo, *hi],

@@ -178,9 +178,9 @@ fn the_verifier_rejects_broken_objectives() {
     assert!(broken(
         &|o| o.insts[18].op = Op::Reduce(ReduceOp::Sum, Value(1))
     ));
-    // A metric of the loss, and a repeated metric name.
+    // A metric of the loss, and a metric without a name.
     assert!(broken(&|o| o.metrics[0].value = Value(20)));
-    assert!(broken(&|o| o.metrics.push(o.metrics[0].clone())));
+    assert!(broken(&|o| o.metrics[0].name.clear()));
     // The loss mixed non-linearly.
     assert!(broken(&|o| {
         o.insts.push(Inst {

@@ -43,6 +43,7 @@ impl Display for Objective {
                 }
                 Op::Clamp { x, lo, hi } => write!(f, "clamp {}, {}, {}", V(*x), V(*lo), V(*hi))?,
                 Op::Reduce(r, x) => write!(f, "token_{} {}", r.name(), V(*x))?,
+                Op::Broadcast(x) => write!(f, "broadcast {}", V(*x))?,
                 Op::BatchSum { x, count, scale } => {
                     write!(f, "batch_sum {}", V(*x))?;
                     let scale = const_value(*scale);

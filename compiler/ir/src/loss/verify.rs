@@ -1,7 +1,7 @@
 //! The objective verifier: the invariants an evaluator relies on, checked once — every operand
 //! defined before its use, each operation's levels and types, the loss reached only through
 //! `BatchSum` and combined only linearly (what makes gradient accumulation exact), metrics of
-//! per-token or per-sample values with unique names, and a result that carries a gradient. It
+//! per-token or per-sample values, and a result that carries a gradient. It
 //! must not change the objective.
 
 use super::{BinOp, Level, Objective, Op, Ty, UnOp, Value, const_value};
@@ -120,6 +120,16 @@ pub fn result_of(
             }
             (Level::Sample, Ty::Float)
         }
+        Op::Broadcast(x) => match get(*x)? {
+            (Level::Sample, t) => (Level::Token, t),
+            (l, _) => {
+                return Err(format!(
+                    "broadcast of %{}: needs a per-sample value, not a {} value",
+                    x.0,
+                    l.name()
+                ));
+            }
+        },
         Op::BatchSum { x, scale, .. } => {
             let l = float(*x, "batch_sum")?;
             if !matches!(l, Level::Sample | Level::Token) {
@@ -175,13 +185,9 @@ pub fn verify(o: &Objective) -> Result<(), VerifyError> {
             "the loss carries no gradient: it depends on no model output".into(),
         ));
     }
-    let mut names = std::collections::BTreeSet::new();
     for m in &o.metrics {
-        if m.name.is_empty() || !names.insert(m.name.as_str()) {
-            return Err(err(format!(
-                "metric name `{}` is empty or repeated",
-                m.name
-            )));
+        if m.name.is_empty() {
+            return Err(err("a metric has no name".into()));
         }
         match level(m.value) {
             Some((Level::Token | Level::Sample, _)) => {}
