@@ -324,12 +324,12 @@ fn speculation_from_planner(
     for (id, d) in &annotated.decisions.speculation {
         let drafts = d.policy.iter().any(|(_, k)| *k > 0);
         let value = match (d.mode.as_str(), drafts) {
-            ("ngram", true) => "auto".to_string(),
+            ("ngram", true) => braid_ir::graph::Speculation::Auto,
             ("draft", true) => match d.draft_model.as_deref().and_then(hf_dir) {
-                Some(dir) => format!("draft:{dir}"),
-                None => "off".to_string(),
+                Some(dir) => braid_ir::graph::Speculation::Draft { dir },
+                None => braid_ir::graph::Speculation::Off,
             },
-            _ => "off".to_string(),
+            _ => braid_ir::graph::Speculation::Off,
         };
         if let Some(Node {
             op: Op::Generate { model, params },

@@ -20,6 +20,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::kernel::Kernel;
 use crate::loss::{InputKind, Objective};
+pub use crate::settings::{Dtype, Head, LrSchedule, Speculation, SyntheticKind};
 
 /// A node of a [`TaskGraph`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -148,10 +149,10 @@ pub struct GenParams {
     pub top_p: f64,
     pub top_k: i64,
     pub greedy: bool,
-    /// Speculative decoding as the schedule pins it, in `braid generate --speculate` form:
-    /// `off`, `ngram:N` (drafts of up to N tokens) or `draft:DIR`. `None`: not pinned.
+    /// Speculative decoding as the schedule pins it (`off`, `ngram(…) max N`, `draft(m)`).
+    /// `None`: not pinned; the planner's `speculate` pass decides.
     #[serde(default)]
-    pub speculate: Option<String>,
+    pub speculate: Option<Speculation>,
 }
 
 /// Element-wise arithmetic on per-token or per-sample values (a per-sample value broadcasts
@@ -653,7 +654,7 @@ impl TaskGraph {
                     p.top_k,
                     p.greedy,
                     p.speculate
-                        .as_deref()
+                        .as_ref()
                         .map(|s| format!(" speculate={s}"))
                         .unwrap_or_default()
                 ),
@@ -820,8 +821,7 @@ pub struct Optimizer {
     pub beta1: f64,
     pub beta2: f64,
     pub warmup: i64,
-    /// "constant", "cosine" or "linear".
-    pub schedule: String,
+    pub schedule: LrSchedule,
 }
 
 /// A model of the plan.
@@ -830,10 +830,10 @@ pub struct ModelSpec {
     /// The name in the pipeline (`policy`, `ref`).
     pub name: String,
     pub source: ModelSource,
-    /// "lm", "value" or "score".
-    pub head: String,
-    /// "f32", "bf16", "f16"; `None`: f32 on CPU, bf16 on GPU.
-    pub dtype: Option<String>,
+    pub head: Head,
+    /// As declared; `None`: the target's default, which the driver resolves when it plans for a
+    /// cluster (f32 on CPUs, bf16 on GPUs), so an executable plan always names one.
+    pub dtype: Option<Dtype>,
     pub optimizer: Option<Optimizer>,
     pub grad_clip: Option<f64>,
     pub max_len: Option<i64>,
@@ -849,7 +849,7 @@ pub enum DatasetSource {
         path: String,
     },
     Synthetic {
-        kind: String,
+        kind: SyntheticKind,
         count: i64,
         seed: i64,
         digits: i64,

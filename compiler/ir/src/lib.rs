@@ -3,3 +3,4 @@
 pub mod graph;
 pub mod kernel;
 pub mod loss;
+pub mod settings;

@@ -383,36 +383,9 @@ pub struct TinyConfig {
     pub seed: i64,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Head {
-    Lm,
-    Value,
-    Score,
-}
-
-impl Head {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Head::Lm => "lm",
-            Head::Value => "value",
-            Head::Score => "score",
-        }
-    }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Dtype {
-    F32,
-    Bf16,
-    F16,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum LrSchedule {
-    Constant,
-    Cosine,
-    Linear,
-}
+// A model's head and dtype and an optimizer's schedule are the plan's own enums: the checker
+// produces them, lowering copies them, and no string stands for them anywhere after parsing.
+pub use braid_ir::settings::{Dtype, Head, LrSchedule, SyntheticKind};
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct AdamW {
@@ -448,7 +421,7 @@ pub enum DatasetSource {
         path: String,
     },
     Synthetic {
-        kind: String,
+        kind: SyntheticKind,
         count: i64,
         seed: i64,
         digits: i64,

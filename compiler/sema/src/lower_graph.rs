@@ -16,6 +16,9 @@ use crate::hir::*;
 use crate::lower_kernel::{LowerError, lower_fn};
 use crate::lower_loss::{LossArg, LossTree, lower_objective};
 
+/// Drafted tokens of an `ngram(…)` pin without `max` (the engine's `--speculate ngram`).
+pub const DEFAULT_NGRAM_DRAFT: u32 = 4;
+
 /// Sequences per forward pass when the schedule does not pin one.
 pub const DEFAULT_MICRO_BATCH: i64 = 8;
 
@@ -96,8 +99,8 @@ pub fn lower_run(program: &Program) -> Result<g::Plan, LowerError> {
         let spec = g::ModelSpec {
             name: lm.name.clone(),
             source: g::ModelSource::FrozenOf(src),
-            head: cx.models[src as usize].head.clone(),
-            dtype: cx.models[src as usize].dtype.clone(),
+            head: cx.models[src as usize].head,
+            dtype: cx.models[src as usize].dtype,
             optimizer: None,
             grad_clip: None,
             max_len: cx.models[src as usize].max_len,
@@ -221,15 +224,8 @@ impl Cx<'_> {
         let spec = g::ModelSpec {
             name: m.name.clone(),
             source,
-            head: m.head.as_str().to_string(),
-            dtype: m.dtype.map(|d| {
-                match d {
-                    Dtype::F32 => "f32",
-                    Dtype::Bf16 => "bf16",
-                    Dtype::F16 => "f16",
-                }
-                .to_string()
-            }),
+            head: m.head,
+            dtype: m.dtype,
             optimizer: m.train.as_ref().map(|a| g::Optimizer {
                 lr: a.lr,
                 weight_decay: a.weight_decay,
@@ -237,12 +233,7 @@ impl Cx<'_> {
                 beta1: a.beta1,
                 beta2: a.beta2,
                 warmup: a.warmup,
-                schedule: match a.schedule {
-                    LrSchedule::Constant => "constant",
-                    LrSchedule::Cosine => "cosine",
-                    LrSchedule::Linear => "linear",
-                }
-                .to_string(),
+                schedule: a.schedule,
             }),
             grad_clip: m.grad_clip,
             max_len: m.max_len,
@@ -271,7 +262,7 @@ impl Cx<'_> {
                     seed,
                     digits,
                 } => g::DatasetSource::Synthetic {
-                    kind: kind.clone(),
+                    kind: *kind,
                     count: *count,
                     seed: *seed,
                     digits: *digits,
@@ -741,16 +732,18 @@ impl Cx<'_> {
                 continue;
             };
             let value = match mode {
-                ast::SpeculateMode::Off => "off".to_string(),
-                ast::SpeculateMode::Ngram { max, .. } => {
-                    format!("ngram:{}", max.as_ref().map_or(4, |m| m.value))
-                }
+                ast::SpeculateMode::Off => g::Speculation::Off,
+                ast::SpeculateMode::Ngram { max, .. } => g::Speculation::Ngram {
+                    max_draft: max
+                        .as_ref()
+                        .map_or(DEFAULT_NGRAM_DRAFT, |m| m.value.max(1) as u32),
+                },
                 ast::SpeculateMode::Draft(model) => {
                     let Some(m) = self.program.models.iter().find(|m| m.name == model.name) else {
                         return err(format!("draft model `{}` is not declared", model.name));
                     };
                     match &m.source {
-                        ModelSource::Hf { dir } => format!("draft:{dir}"),
+                        ModelSource::Hf { dir } => g::Speculation::Draft { dir: dir.clone() },
                         _ => {
                             return err(format!(
                                 "draft model `{}` must be a Hugging Face directory (`hf(\"…\")`) for the runtime to load it",

@@ -665,8 +665,12 @@ impl Checker<'_> {
                 }
             }
             "synthetic::letters" | "synthetic::arithmetic" => {
-                let kind = src.trim_start_matches("synthetic::").to_string();
-                let allowed: &[&str] = if kind == "letters" {
+                let kind = if src == "synthetic::letters" {
+                    SyntheticKind::Letters
+                } else {
+                    SyntheticKind::Arithmetic
+                };
+                let allowed: &[&str] = if kind == SyntheticKind::Letters {
                     &["count", "seed"]
                 } else {
                     &["count", "seed", "digits"]

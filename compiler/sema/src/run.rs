@@ -885,15 +885,16 @@ impl Checker<'_> {
                                     .with_help("write e.g. `ngram(3)`"),
                                 );
                             }
+                            let most = i64::from(braid_ir::settings::MAX_DRAFT);
                             if let Some(m) = max
-                                && m.value <= 0
+                                && !(1..=most).contains(&m.value)
                             {
                                 self.report(
                                     err(
                                         Code::E0411,
-                                        "a draft length must be > 0",
+                                        format!("a draft length must be from 1 to {most}"),
                                         m.span,
-                                        "must be > 0",
+                                        format!("must be from 1 to {most}"),
                                     )
                                     .with_help("write e.g. `max 8`"),
                                 );

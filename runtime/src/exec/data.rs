@@ -5,7 +5,7 @@
 
 use std::path::{Path, PathBuf};
 
-use braid_ir::graph::{DatasetSource, DatasetSpec};
+use braid_ir::graph::{DatasetSource, DatasetSpec, SyntheticKind};
 
 use crate::error::{Error, Result};
 use crate::rng::Rng;
@@ -45,7 +45,7 @@ impl Dataset {
                 count,
                 seed,
                 digits,
-            } => synthetic(kind, *count, *seed, *digits)?,
+            } => synthetic(*kind, *count, *seed, *digits)?,
         };
         if records.is_empty() {
             return Err(Error::invalid(
@@ -252,7 +252,7 @@ pub fn read_parquet(path: &Path, prompt_field: &str, answer_field: &str) -> Resu
 
 /// The synthetic sources: `letters` (a few random lowercase letters followed by a space) and
 /// `arithmetic` (`a + b =` with `digits`-digit operands and the sum as the answer).
-pub fn synthetic(kind: &str, count: i64, seed: i64, digits: i64) -> Result<Vec<Record>> {
+pub fn synthetic(kind: SyntheticKind, count: i64, seed: i64, digits: i64) -> Result<Vec<Record>> {
     if count <= 0 {
         return Err(Error::invalid(
             format!("synthetic::{kind}"),
@@ -262,7 +262,7 @@ pub fn synthetic(kind: &str, count: i64, seed: i64, digits: i64) -> Result<Vec<R
     let mut rng = Rng::new(seed as u64 ^ 0x5EED_DA7A);
     let mut out = Vec::with_capacity(count as usize);
     match kind {
-        "letters" => {
+        SyntheticKind::Letters => {
             for _ in 0..count {
                 let len = 3 + (rng.next_u64() % 4) as usize;
                 let mut s: String = (0..len)
@@ -275,7 +275,7 @@ pub fn synthetic(kind: &str, count: i64, seed: i64, digits: i64) -> Result<Vec<R
                 });
             }
         }
-        "arithmetic" => {
+        SyntheticKind::Arithmetic => {
             if !(1..=9).contains(&digits) {
                 return Err(Error::invalid(
                     "synthetic::arithmetic",
@@ -291,12 +291,6 @@ pub fn synthetic(kind: &str, count: i64, seed: i64, digits: i64) -> Result<Vec<R
                     answer: (a + b).to_string(),
                 });
             }
-        }
-        other => {
-            return Err(Error::invalid(
-                format!("synthetic::{other}"),
-                "unknown synthetic dataset (expected `letters` or `arithmetic`)",
-            ));
         }
     }
     Ok(out)
@@ -324,7 +318,7 @@ mod tests {
         let d = Dataset::load(
             &spec(
                 DatasetSource::Synthetic {
-                    kind: "letters".into(),
+                    kind: SyntheticKind::Letters,
                     count: 10,
                     seed: 1,
                     digits: 2,
@@ -359,7 +353,7 @@ mod tests {
         let d = Dataset::load(
             &spec(
                 DatasetSource::Synthetic {
-                    kind: "arithmetic".into(),
+                    kind: SyntheticKind::Arithmetic,
                     count: 4,
                     seed: 0,
                     digits: 2,

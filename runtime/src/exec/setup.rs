@@ -178,19 +178,9 @@ impl<'p> Executor<'p> {
     }
 }
 
-pub(super) fn head_of(spec: &ModelSpec) -> Head {
-    match spec.head.as_str() {
-        "value" => Head::Value,
-        "score" => Head::Score,
-        _ => Head::Lm,
-    }
-}
-
 pub(super) fn kind_of(spec: &ModelSpec, device: Device) -> Kind {
-    match spec.dtype.as_deref() {
-        Some("bf16") => Kind::BFloat16,
-        Some("f16") => Kind::Half,
-        Some(_) => Kind::Float,
+    match spec.dtype {
+        Some(d) => crate::models::model::kind_of(d),
         None if device == Device::Cpu => Kind::Float,
         None => Kind::BFloat16,
     }
@@ -204,7 +194,7 @@ pub(super) fn build_model(
     device: Device,
 ) -> Result<(Model, Tokenizer)> {
     let spec = &plan.models[slot];
-    let head = head_of(spec);
+    let head = spec.head;
     let mut src = slot;
     for _ in 0..=plan.models.len() {
         match &plan.models[src].source {

@@ -78,14 +78,9 @@ impl<'p> Executor<'p> {
             consumers.iter().map(|c| (*c, vec![None; total])).collect();
         let n = sampling.n;
         let engine = EngineOptions {
-            speculate: match params.speculate.as_deref() {
+            speculate: match &params.speculate {
                 None => SpeculateMode::Off,
-                Some(s) => match SpeculateMode::parse(s)? {
-                    SpeculateMode::Draft(dir) if dir.is_relative() => {
-                        SpeculateMode::Draft(self.options.base_dir.join(dir))
-                    }
-                    other => other,
-                },
+                Some(s) => SpeculateMode::from_plan(s, &self.options.base_dir),
             },
             ..EngineOptions::default()
         };

@@ -39,6 +39,8 @@ use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 use std::path::{Path, PathBuf};
 
+use braid_ir::settings::Speculation;
+
 use crate::error::{Error, Result};
 use crate::generation::sampling::{Candidates, SamplingParams, argmax, log_sum_exp, sample_token};
 use crate::models::model::{Head, LoadOptions, Model};
@@ -48,7 +50,7 @@ use crate::rng::Rng;
 /// Draft length of `ngram` without `:N`.
 pub const DEFAULT_NGRAM_DRAFT: usize = 4;
 /// Longest draft the engine accepts (`ngram:N`, `EngineOptions::draft_len`).
-pub const MAX_DRAFT: usize = 64;
+pub const MAX_DRAFT: usize = braid_ir::settings::MAX_DRAFT as usize;
 /// Longest draft the adaptive policy considers with the n-gram drafter (drafts are free).
 pub const AUTO_MAX_DRAFT: usize = 16;
 /// Longest draft the adaptive policy considers with a draft model (each token costs a pass).
@@ -73,29 +75,25 @@ pub enum SpeculateMode {
 impl SpeculateMode {
     /// Parses `off`, `auto`, `ngram`, `ngram:N` (1 ≤ N ≤ 64) or `draft:DIR`.
     pub fn parse(s: &str) -> Result<SpeculateMode> {
-        let bad = |what: String| Err(Error::invalid("speculate", what));
+        let plan = Speculation::parse_flag(s, DEFAULT_NGRAM_DRAFT as u32)
+            .map_err(|e| Error::invalid("speculate", e))?;
+        Ok(SpeculateMode::from_plan(&plan, Path::new("")))
+    }
+
+    /// The engine's mode for a plan's speculation; a relative draft directory is read from
+    /// `base_dir` (the program's directory).
+    pub fn from_plan(s: &Speculation, base_dir: &Path) -> SpeculateMode {
         match s {
-            "off" => Ok(SpeculateMode::Off),
-            "auto" => Ok(SpeculateMode::Auto),
-            "ngram" => Ok(SpeculateMode::Ngram(DEFAULT_NGRAM_DRAFT)),
-            _ => {
-                if let Some(n) = s.strip_prefix("ngram:") {
-                    return match n.parse::<usize>() {
-                        Ok(n) if (1..=MAX_DRAFT).contains(&n) => Ok(SpeculateMode::Ngram(n)),
-                        _ => bad(format!(
-                            "`{s}`: the draft length after `ngram:` must be a number from 1 to {MAX_DRAFT}"
-                        )),
-                    };
-                }
-                if let Some(dir) = s.strip_prefix("draft:") {
-                    if dir.is_empty() {
-                        return bad("`draft:` needs a model directory, as in `draft:DIR`".into());
-                    }
-                    return Ok(SpeculateMode::Draft(PathBuf::from(dir)));
-                }
-                bad(format!(
-                    "unknown mode `{s}` (expected off, auto, ngram, ngram:N or draft:DIR)"
-                ))
+            Speculation::Off => SpeculateMode::Off,
+            Speculation::Auto => SpeculateMode::Auto,
+            Speculation::Ngram { max_draft } => SpeculateMode::Ngram(*max_draft as usize),
+            Speculation::Draft { dir } => {
+                let p = Path::new(dir);
+                SpeculateMode::Draft(if p.is_relative() {
+                    base_dir.join(p)
+                } else {
+                    p.to_path_buf()
+                })
             }
         }
     }

@@ -25,18 +25,17 @@ use crate::models::config::{Activation, Arch, ModelConfig, RopeScaling};
 use crate::models::weights::WeightFiles;
 use crate::rng::Rng;
 
-/// What a model computes on top of its final hidden states.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Head {
-    /// Next-token logits (`lm_head.weight`, or the embedding when tied).
-    Lm,
-    /// A scalar per token (a critic). Stored as `score.weight` of shape `[1, hidden]`, the layout
-    /// of a transformers `*ForSequenceClassification` with one label, which is what TRL uses as
-    /// a value model; a checkpoint without it gets a new head initialised small.
-    Value,
-    /// A scalar per sequence, read at its last non-pad token (a reward model): `score.weight`
-    /// of a sequence-classification checkpoint.
-    Score,
+/// What a model computes on top of its final hidden states: the plan's own enum (see
+/// `braid_ir::settings::Head`), so that a plan's head reaches the model unchanged.
+pub use braid_ir::settings::Head;
+
+/// The libtorch element type of a plan's dtype.
+pub fn kind_of(d: braid_ir::settings::Dtype) -> Kind {
+    match d {
+        braid_ir::settings::Dtype::F32 => Kind::Float,
+        braid_ir::settings::Dtype::Bf16 => Kind::BFloat16,
+        braid_ir::settings::Dtype::F16 => Kind::Half,
+    }
 }
 
 /// How to load a model.

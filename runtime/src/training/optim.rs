@@ -5,7 +5,7 @@
 
 use std::path::Path;
 
-use braid_ir::graph::Optimizer as Config;
+use braid_ir::graph::{LrSchedule, Optimizer as Config};
 use tch::{Kind, Tensor};
 
 use crate::error::{Error, Result};
@@ -173,10 +173,10 @@ pub fn lr_at(c: &Config, step: i64, total: i64) -> f64 {
     }
     let span = (total - c.warmup).max(1) as f64;
     let progress = ((step - c.warmup) as f64 / span).clamp(0.0, 1.0);
-    match c.schedule.as_str() {
-        "cosine" => c.lr * 0.5 * (1.0 + (std::f64::consts::PI * progress).cos()),
-        "linear" => c.lr * (1.0 - progress),
-        _ => c.lr,
+    match c.schedule {
+        LrSchedule::Cosine => c.lr * 0.5 * (1.0 + (std::f64::consts::PI * progress).cos()),
+        LrSchedule::Linear => c.lr * (1.0 - progress),
+        LrSchedule::Constant => c.lr,
     }
 }
 
@@ -186,7 +186,7 @@ mod tests {
     use crate::models::tiny::{TinyConfig, tiny};
     use tch::Device;
 
-    fn config(schedule: &str, warmup: i64) -> Config {
+    fn config(schedule: LrSchedule, warmup: i64) -> Config {
         Config {
             lr: 1e-3,
             weight_decay: 0.0,
@@ -194,21 +194,21 @@ mod tests {
             beta1: 0.9,
             beta2: 0.999,
             warmup,
-            schedule: schedule.into(),
+            schedule,
         }
     }
 
     #[test]
     fn schedules() {
-        let c = config("cosine", 2);
+        let c = config(LrSchedule::Cosine, 2);
         assert!((lr_at(&c, 0, 10) - 5e-4).abs() < 1e-12);
         assert!((lr_at(&c, 1, 10) - 1e-3).abs() < 1e-12);
         assert!((lr_at(&c, 2, 10) - 1e-3).abs() < 1e-12);
         assert!((lr_at(&c, 6, 10) - 5e-4).abs() < 1e-12);
         assert!(lr_at(&c, 10, 10).abs() < 1e-12);
-        let l = config("linear", 0);
+        let l = config(LrSchedule::Linear, 0);
         assert!((lr_at(&l, 5, 10) - 5e-4).abs() < 1e-12);
-        assert!((lr_at(&config("constant", 0), 9, 10) - 1e-3).abs() < 1e-12);
+        assert!((lr_at(&config(LrSchedule::Constant, 0), 9, 10) - 1e-3).abs() < 1e-12);
     }
 
     /// One step on a known gradient against the AdamW formulas written out: with m = 0.1 g,
@@ -229,7 +229,7 @@ mod tests {
             Device::Cpu,
         )
         .unwrap();
-        let mut c = config("constant", 0);
+        let mut c = config(LrSchedule::Constant, 0);
         c.weight_decay = 0.1;
         let mut opt = AdamW::new(&m, c).unwrap();
         let (name, p) = (opt.params[0].0.clone(), opt.params[0].1.shallow_clone());
