@@ -174,6 +174,47 @@ fn quickstart_learns_and_leaves_a_loadable_checkpoint() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// GRPO with GSPO's sequence-level loss (`variant: "gspo"`, the paper's clip ranges) learns the
+/// quickstart task too, and reports the share of sequences it clips.
+#[test]
+fn grpo_with_the_gspo_loss_learns_the_quickstart_task() {
+    let dir = tmp("gspo");
+    let src = std::fs::read_to_string("examples/quickstart.rlhf")
+        .unwrap()
+        .replace(
+            "steps: 60",
+            "steps: 20, variant: \"gspo\", clip: 3e-4, clip_high: 4e-4",
+        );
+    assert!(
+        src.contains("gspo"),
+        "the quickstart's settings changed: {src}"
+    );
+    let file = dir.join("gspo.rlhf");
+    std::fs::write(&file, src).unwrap();
+    let run_dir = dir.join("run");
+    let out = run_into(&file, &run_dir);
+    ok(&out);
+    let plan = std::fs::read_to_string(run_dir.join("plan.txt")).unwrap();
+    assert!(
+        plan.contains("token_mean") && plan.contains("sample bool"),
+        "{plan}"
+    );
+    let m = metrics(&run_dir);
+    assert_eq!(m.len(), 20);
+    for line in &m {
+        let clip = num(line, "policy/clip_frac");
+        assert!((0.0..=1.0).contains(&clip), "{clip}");
+        assert!(num(line, "policy/loss").is_finite());
+    }
+    let first: f64 = m[..5].iter().map(|l| num(l, "reward_mean")).sum::<f64>() / 5.0;
+    let last: f64 = m[15..].iter().map(|l| num(l, "reward_mean")).sum::<f64>() / 5.0;
+    assert!(
+        last >= 1.5 * first,
+        "GSPO: reward of the last 5 steps {last} is not 1.5 times that of the first 5 {first}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// PPO with a policy, a critic, a frozen reference and a reward model (a fixture trained to
 /// score vowels): every model's numbers are recorded, only trained models are checkpointed, and
 /// the reward rises.
@@ -478,7 +519,8 @@ fn vowels(s: Sample) -> float {
 "#;
 
 /// Every algorithm of the standard library runs as its pipeline (no Rust copy of any of them):
-/// GRPO, Dr. GRPO, RLOO, REINFORCE++, ReMax and PPO with a reward function, with epochs,
+/// GRPO, Dr. GRPO, RLOO, REINFORCE++, ReMax, PPO with a reward function, and GRPO with DAPO's
+/// and CISPO's losses, with epochs,
 /// mini-batches, warm-up, a cosine schedule and gradient clipping; the generated lengths feed
 /// `braid plan --gen-lengths`.
 #[test]
@@ -506,6 +548,16 @@ fn every_stdlib_algorithm_runs_as_its_pipeline() {
             "ppo",
             "ppo_fn(policy, prompts, reward: vowels, critic: critic)",
             "minibatches: 2\n  entropy_coef: 0.01\n  dual_clip: 3.0",
+        ),
+        (
+            "grpo",
+            "grpo(policy, prompts, reward: vowels)",
+            "group: 2\n  variant: \"dapo\"\n  epochs: 2",
+        ),
+        (
+            "grpo",
+            "grpo(policy, prompts, reward: vowels)",
+            "group: 2\n  variant: \"cispo\"\n  minibatches: 2\n  kl_coef: 0.0",
         ),
     ];
     for (i, (module, call, extra)) in runs.iter().enumerate() {

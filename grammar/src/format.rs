@@ -348,7 +348,9 @@ impl Printer<'_> {
             )),
             _ => false,
         };
-        let tail = type_text(&f.ret).len() + 16;
+        // `) -> RET over SCOPE {`
+        let tail =
+            5 + type_text(&f.ret).len() + f.over.as_ref().map_or(0, |o| 6 + o.name.len()) + 2;
         if multiline_in_source || self.column() + flat.len() + tail > WIDTH {
             self.newline();
             self.indent += 1;

@@ -899,4 +899,20 @@ impl Plan {
         self.graph
             .to_text(&self.model_names(), &self.dataset_names())
     }
+
+    /// The objective of every loss node, in node order, in the objective IR's text form: what
+    /// each `train` differentiates (the graph's text form names the loss only).
+    pub fn losses_text(&self) -> String {
+        let mut out = String::new();
+        for id in self.graph.node_ids() {
+            if let Some(Node {
+                op: Op::Loss { objective },
+                ..
+            }) = self.graph.node(id)
+            {
+                let _ = write!(out, "{id}: {objective}");
+            }
+        }
+        out
+    }
 }

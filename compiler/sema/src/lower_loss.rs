@@ -107,10 +107,16 @@ pub fn lower_objective(
         nodes: Vec::new(),
     };
     let result = cx.tree(tree)?;
-    let objective =
-        cx.b.finish(result)
+    let (objective, kept) =
+        cx.b.finish_pruning_inputs(result)
             .map_err(|e| LowerError(format!("loss `{}`: {e}", names.join(" + "))))?;
-    Ok((objective, cx.nodes))
+    // Inputs the specialised loss no longer reads (a KL term with `kl_coef: 0.0`) are not
+    // the loss node's inputs: the graph shows what the loss depends on.
+    let nodes = kept
+        .iter()
+        .filter_map(|&k| cx.nodes.get(k).copied())
+        .collect();
+    Ok((objective, nodes))
 }
 
 /// A value while lowering: an IR value, a constant of the run, or the loss's model.

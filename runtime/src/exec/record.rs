@@ -53,7 +53,7 @@ impl<'p> Executor<'p> {
         checkpoint::truncate_metrics(&metrics_path, self.first_step)?;
         checkpoint::write_atomic(
             &self.options.run_dir.join("plan.txt"),
-            self.plan.graph_text().as_bytes(),
+            format!("{}\n{}", self.plan.graph_text(), self.plan.losses_text()).as_bytes(),
         )?;
         on_event(Event::Start {
             first_step: self.first_step,
@@ -205,9 +205,10 @@ pub(super) fn length_histogram(lengths: &[usize]) -> String {
     out
 }
 
-/// What identifies a run's program: its graph and settings.
+/// What identifies a run's program: its graph, its losses and settings.
 pub fn fingerprint(plan: &Plan) -> String {
     let mut text = plan.graph_text();
+    text.push_str(&plan.losses_text());
     for (k, v) in &plan.settings {
         text.push_str(&format!("{k}={v}\n"));
     }

@@ -45,7 +45,8 @@ pub struct Layout {
 impl Layout {
     /// The layout of the micro-batch `lens` (its samples' token counts, with their groups in
     /// `groups`) inside a mini-batch whose samples have `mb_lens` tokens and `mb_groups`
-    /// groups. Tensors are f32 on the CPU; [`evaluate`] moves them where the model is.
+    /// groups. Tensors are f64 on the CPU; [`evaluate`] converts them to the working
+    /// precision (rounding each once) and moves them where the model is.
     pub fn new(lens: &[usize], groups: &[usize], mb_lens: &[usize], mb_groups: &[usize]) -> Layout {
         let mut group_tokens: std::collections::BTreeMap<usize, usize> = Default::default();
         let mut group_samples: std::collections::BTreeMap<usize, usize> = Default::default();
@@ -67,14 +68,13 @@ impl Layout {
             let gs = group_samples.get(g).copied().unwrap_or(1).max(1) as f64;
             inv_gs.push(1.0 / gs);
         }
-        let f32s = |v: &[f64]| Tensor::from_slice(v).to_kind(Kind::Float);
         let lens_f: Vec<f64> = lens.iter().map(|&l| l as f64).collect();
         Layout {
             sample_of: Tensor::from_slice(&sample_of),
-            len: f32s(&lens_f),
-            inv_len: f32s(&inv),
-            inv_group_tokens: f32s(&inv_gt),
-            inv_group_samples: f32s(&inv_gs),
+            len: Tensor::from_slice(&lens_f),
+            inv_len: Tensor::from_slice(&inv),
+            inv_group_tokens: Tensor::from_slice(&inv_gt),
+            inv_group_samples: Tensor::from_slice(&inv_gs),
             minibatch_tokens: mb_lens.iter().sum::<usize>() as f64,
             minibatch_samples: mb_lens.len() as f64,
             minibatch_groups: group_samples.len() as f64,
