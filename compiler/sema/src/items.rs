@@ -314,12 +314,17 @@ impl<'a> Checker<'a> {
                 );
                 None
             }
-            [_, second, ..] => {
+            [first, second, ..] => {
                 self.report(
                     err(Code::E0301, format!("the loss `{}` has more than one `Model` parameter", f.name.name), f.params[*second].ty.span(), "a second model")
                         .with_help("a `train` call updates one model: a loss reads the outputs of one; pass what other models compute (`logprobs(ref, rollout)`) as per-token arguments"),
                 );
-                None
+                // The body is checked as a loss of the first.
+                Some(LossFn {
+                    model_param: *first as u32,
+                    outputs: Vec::new(),
+                    metrics: Vec::new(),
+                })
             }
         }
     }

@@ -423,7 +423,8 @@ impl Checker<'_> {
                     reported = true;
                 }
             }
-            if reported || has_error(&func) {
+            // Without a `Model` parameter (reported) there is nothing to carry a gradient.
+            if reported || has_error(&func) || func.loss.is_none() {
                 continue;
             }
             let mut env: BTreeMap<LocalId, bool> = BTreeMap::new();
