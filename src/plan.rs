@@ -12,15 +12,13 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use braid_cost::cluster::ClusterSpec;
-use braid_cost::cost::{DeviceKind, ModelShape};
+use braid_cost::cost::ModelShape;
 use braid_cost::sim::LengthDist;
-use braid_passes::annotated::{
-    Annotated, FusePin, PinTarget, Pins, PlacePin, SpeculatePin, default_workload, shapes_from_plan,
-};
-use braid_passes::passes::{PassManager, pass_names};
-use braid_passes::render::{self, PlanSpans};
-use braid_sema::hir::{Cluster, LocalKind, Program, RunArg};
-use braid_syntax::ast::{LayoutKind, PinKind, Selector, SpeculateMode};
+use braid_driver::{Compiled, ModelConfigs, Options};
+use braid_ir::exec_plan::ExecPlan;
+use braid_passes::annotated::Annotated;
+use braid_passes::passes::pass_names;
+use braid_passes::render;
 
 use crate::diag::{self, DiskLoader};
 
@@ -54,7 +52,7 @@ pub struct PlanInputs {
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// The `.rlhf` file whose run to plan.
+    /// The `.rlhf` file whose run to plan, or a `plan.json` to show.
     file: PathBuf,
     #[command(flatten)]
     inputs: PlanInputs,
@@ -64,13 +62,10 @@ pub struct Args {
     /// Print the plan as it is after this pass, and stop.
     #[arg(long, value_name = "PASS")]
     dump_after: Option<String>,
-}
-
-/// A prepared plan: the annotated plan before the passes, and what diagnostics need.
-pub struct Prepared {
-    pub annotated: Annotated,
-    pub spans: PlanSpans,
-    pub sources: braid_diagnostics::SourceMap,
+    /// Also write the executable plan (versioned JSON) to this file; `braid run PLAN.json`
+    /// runs it.
+    #[arg(long, value_name = "PLAN.json")]
+    emit: Option<PathBuf>,
 }
 
 fn fail(path: &Path, what: impl std::fmt::Display) -> ExitCode {
@@ -78,81 +73,28 @@ fn fail(path: &Path, what: impl std::fmt::Display) -> ExitCode {
     ExitCode::from(2)
 }
 
-/// Checks, lowers and annotates `file`'s run. `Err` carries the exit code after reporting.
-pub fn prepare(file: &Path, inputs: &PlanInputs) -> Result<Prepared, ExitCode> {
-    let name = file.display().to_string();
-    let text = std::fs::read_to_string(file).map_err(|e| fail(file, e))?;
-    let checked = braid_sema::check(&name, &text, &DiskLoader);
-    if checked.has_errors() {
-        diag::print(&checked.diagnostics, &checked.sources, diag::Format::Human);
-        return Err(ExitCode::from(1));
-    }
-    let program = &checked.program;
-    let plan = braid_sema::lower_graph::lower_run(program)
-        .map_err(|e| fail(file, format!("cannot plan: {}", e.0)))?;
-    let cluster = cluster_of(program, inputs.cluster.as_deref()).map_err(|e| fail(file, e))?;
-    let dir = file.parent().unwrap_or(Path::new("."));
-    let shapes = shapes_from_plan(&plan, &mut |d| hf_shape(dir, d)).map_err(|e| fail(file, e))?;
-    let mut workload = default_workload(&plan);
-    if let Some(spec) = &inputs.gen_lengths {
-        workload.lengths = lengths(spec).map_err(|e| fail(file, e))?;
-    }
-    if let Some(p) = inputs.prompt_len {
-        workload.prompt_len = p.max(1);
-    }
-    let pins = pins_of(program, &plan);
-    let mut spans = PlanSpans::default();
-    if let Some(run) = &program.run {
-        spans.run = run.span;
-    }
-    for m in &program.models {
-        if m.file == program.root {
-            spans.models.insert(m.name.clone(), m.name_span);
-        }
-    }
-    let cost = cluster.cost_model();
-    Ok(Prepared {
-        annotated: Annotated::new(plan, cluster, cost, shapes, workload, pins),
-        spans,
-        sources: checked.sources,
-    })
+/// Model shapes from the file system: `config.json` in the model's directory (relative to the
+/// program), else a preset named by the directory (`llama-13b`, `qwen2.5-0.5b-instruct`).
+pub struct DiskConfigs {
+    pub base: PathBuf,
 }
 
-/// The `--cluster` spec, else the program's `cluster` block, else `cpu`.
-fn cluster_of(program: &Program, flag: Option<&str>) -> Result<ClusterSpec, String> {
-    if let Some(s) = flag {
-        return ClusterSpec::parse(s).map_err(|e| e.to_string());
-    }
-    match &program.cluster {
-        Some(Cluster::Gpus { gpus, gpu, nodes }) => {
-            let device = DeviceKind::parse(gpu).ok_or_else(|| format!("unknown device `{gpu}`"))?;
-            let nodes = (*nodes).max(1) as u64;
-            Ok(ClusterSpec {
-                nodes,
-                per_node: ((*gpus).max(1) as u64 / nodes).max(1),
-                device,
-            })
+impl ModelConfigs for DiskConfigs {
+    fn shape(&self, dir: &str) -> Result<ModelShape, String> {
+        let path = self.base.join(dir).join("config.json");
+        if let Ok(text) = std::fs::read_to_string(&path) {
+            let json: serde_json::Value =
+                serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+            return ModelShape::from_hf_config(dir, &json).map_err(|e| e.to_string());
         }
-        Some(Cluster::Cpu) | None => ClusterSpec::parse("cpu").map_err(|e| e.to_string()),
+        ModelShape::preset_for_path(dir).ok_or_else(|| {
+            format!(
+                "no {} and no preset named like `{dir}` (presets: {})",
+                path.display(),
+                ModelShape::PRESETS.join(", ")
+            )
+        })
     }
-}
-
-/// A Hugging Face model's shape: `config.json` in its directory (relative to the program),
-/// else a preset named by the directory (`llama-13b`, `qwen2.5-0.5b-instruct`).
-fn hf_shape(base: &Path, dir: &str) -> Result<ModelShape, String> {
-    let path = base.join(dir).join("config.json");
-    if let Ok(text) = std::fs::read_to_string(&path) {
-        let json: serde_json::Value =
-            serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
-        return ModelShape::from_hf_config(dir, &json).map_err(|e| e.to_string());
-    }
-    ModelShape::preset_for_path(dir).ok_or_else(|| {
-        format!(
-            "no {} and no preset named like `{dir}` (presets: {}, qwen2.5-0.5b)",
-            path.display(),
-            ModelShape::PRESETS.join(", ")
-        )
-    })
 }
 
 /// A length distribution spec, or a histogram file.
@@ -164,115 +106,87 @@ pub fn lengths(spec: &str) -> Result<LengthDist, String> {
     LengthDist::parse(spec).map_err(|e| e.to_string())
 }
 
-fn target(s: &Selector) -> PinTarget {
-    PinTarget {
-        op: s.op.name.clone(),
-        model: s.model.as_ref().map(|m| m.name.clone()),
-    }
-}
-
-/// The schedule's pins, and the pipeline-parameter names of each model slot.
-pub(crate) fn pins_of(program: &Program, plan: &braid_ir::graph::Plan) -> Pins {
-    let mut pins = Pins::default();
-    if let (Some(run), Some(pipeline)) = (
-        &program.run,
-        program
-            .run
-            .as_ref()
-            .and_then(|r| program.pipelines.get(r.pipeline.0 as usize)),
-    ) {
-        for local in &pipeline.locals {
-            if let LocalKind::Param(i) = local.kind
-                && let Some(RunArg::Model(m)) = run.args.get(i as usize)
-                && let Some(model) = program.models.get(m.0 as usize)
-                && let Some(slot) = plan.models.iter().position(|s| s.name == model.name)
-            {
-                pins.aliases
-                    .entry(slot as u32)
-                    .or_default()
-                    .push(local.name.clone());
-            }
+/// The driver's options from the command line (`Err` after reporting a usage error).
+pub fn options(inputs: &PlanInputs, file: &Path) -> Result<Options, ExitCode> {
+    for p in &inputs.disable_pass {
+        if !pass_names().contains(&p.as_str()) {
+            eprintln!(
+                "error: unknown pass `{p}`; the passes are {}",
+                pass_names().join(", ")
+            );
+            return Err(ExitCode::from(2));
         }
     }
-    let Some(schedule) = &program.schedule else {
-        return pins;
+    let cluster = match &inputs.cluster {
+        Some(s) => Some(ClusterSpec::parse(s).map_err(|e| fail(file, e))?),
+        None => None,
     };
-    for pin in &schedule.pins {
-        match &pin.kind {
-            PinKind::FuseOff => pins.fuse_off = true,
-            PinKind::MigrateOff => pins.migrate_off = true,
-            PinKind::MigrateBelow { percent, .. } => pins.migrate_below = Some(percent / 100.0),
-            PinKind::Place {
-                target: t,
-                from,
-                to,
-                layout,
-            } => {
-                let get = |k: LayoutKind| {
-                    layout
-                        .iter()
-                        .find(|(kind, _)| *kind == k)
-                        .map(|(_, v)| v.value.max(1) as u64)
-                };
-                pins.place.push(PlacePin {
-                    target: target(t),
-                    from: from.value.max(0) as u64,
-                    to: to.value.max(0) as u64,
-                    tp: get(LayoutKind::Tp),
-                    pp: get(LayoutKind::Pp),
-                    dp: get(LayoutKind::Dp),
-                });
-            }
-            PinKind::Speculate { target: t, mode } => {
-                let mode = match mode {
-                    SpeculateMode::Off => SpeculatePin::Off,
-                    SpeculateMode::Ngram { n, max } => SpeculatePin::Ngram {
-                        n: n.value.max(1) as u64,
-                        max: max.as_ref().map(|m| m.value.max(0) as u64),
-                    },
-                    SpeculateMode::Draft(m) => SpeculatePin::Draft {
-                        model: m.name.clone(),
-                    },
-                };
-                pins.speculate.push((t.as_ref().map(target), mode));
-            }
-            PinKind::Fuse { from, to } => pins.fuse.push(FusePin {
-                from: target(from),
-                to: to.iter().map(target).collect(),
-            }),
-            PinKind::Interleave(sels) => pins.interleave.push(sels.iter().map(target).collect()),
-            PinKind::MicroBatch { .. } => {}
-        }
-    }
-    pins
+    let lengths = match &inputs.gen_lengths {
+        Some(spec) => Some(lengths(spec).map_err(|e| fail(file, e))?),
+        None => None,
+    };
+    Ok(Options {
+        cluster,
+        lengths,
+        prompt_len: inputs.prompt_len,
+        disabled_passes: inputs.disable_pass.clone(),
+        ..Options::default()
+    })
 }
 
-/// Runs the passes; reports `E0504` diagnostics (exit 1) when a call does not fit.
-pub fn plan(
-    prepared: &mut Prepared,
-    disabled: &[String],
-    mut after: impl FnMut(&str, &Annotated),
-) -> Result<(), ExitCode> {
-    let manager = PassManager::new().disable(disabled).map_err(|e| {
-        eprintln!("error: {e}");
-        ExitCode::from(2)
-    })?;
-    manager
-        .run(&mut prepared.annotated, &mut after)
-        .map_err(|e| {
-            eprintln!("error: planning failed: {e}");
-            ExitCode::from(1)
-        })?;
-    let diags = render::memory_diagnostics(&prepared.annotated, &prepared.spans);
-    if !diags.is_empty() {
-        diag::print(&diags, &prepared.sources, diag::Format::Human);
-        eprintln!(
-            "the plan does not fit: {}",
-            diag::plural(diags.len(), "error")
-        );
+/// Reads `file` and compiles it with the driver (`prepare` only when `planned` is false):
+/// every diagnostic is printed; `Err` carries the exit code (1 for a program with errors, 2
+/// for a file that cannot be read).
+pub fn compile(
+    file: &Path,
+    options: &Options,
+    planned: bool,
+    after: &mut dyn FnMut(&str, &Annotated),
+) -> Result<Compiled, ExitCode> {
+    let name = file.display().to_string();
+    let text = std::fs::read_to_string(file).map_err(|e| fail(file, e))?;
+    let configs = DiskConfigs {
+        base: file.parent().unwrap_or(Path::new(".")).to_path_buf(),
+    };
+    let c = if planned {
+        braid_driver::compile(&name, &text, &DiskLoader, &configs, options, after)
+    } else {
+        braid_driver::prepare(&name, &text, &DiskLoader, &configs, options)
+    };
+    if !c.diagnostics.is_empty() {
+        diag::print(&c.diagnostics, &c.sources, diag::Format::Human);
+    }
+    if let Some(e) = &c.internal {
+        eprintln!("error: {name}: internal error: {e}; please report it");
         return Err(ExitCode::from(1));
     }
-    Ok(())
+    let errors = c.diagnostics.iter().filter(|d| d.is_error()).count();
+    if errors > 0 {
+        let memory = c
+            .diagnostics
+            .iter()
+            .any(|d| d.code == braid_diagnostics::Code::E0504);
+        if memory && c.planned.is_some() {
+            eprintln!("the plan does not fit: {}", diag::plural(errors, "error"));
+        }
+        return Err(ExitCode::from(1));
+    }
+    if c.program.run.is_none() {
+        eprintln!("error: {name}: the program has no `run` to plan");
+        return Err(ExitCode::from(1));
+    }
+    Ok(c)
+}
+
+/// Reads and verifies a `plan.json`.
+pub fn read_plan(path: &Path) -> Result<ExecPlan, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    ExecPlan::from_json(&text).map_err(|e| format!("{}: {e}", path.display()))
+}
+
+/// Whether a path names a plan file rather than a program.
+pub fn is_plan_file(path: &Path) -> bool {
+    path.extension().is_some_and(|e| e == "json")
 }
 
 fn render(a: &Annotated, format: Format) -> String {
@@ -296,12 +210,42 @@ pub fn run(args: Args) -> ExitCode {
         );
         return ExitCode::from(2);
     }
-    let mut prepared = match prepare(&args.file, &args.inputs) {
-        Ok(p) => p,
+    if is_plan_file(&args.file) {
+        // A plan file is shown as planned; the planner's inputs belong to the program.
+        if args.dump_after.is_some()
+            || args.inputs.cluster.is_some()
+            || args.inputs.gen_lengths.is_some()
+            || args.inputs.prompt_len.is_some()
+            || !args.inputs.disable_pass.is_empty()
+        {
+            eprintln!(
+                "error: {}: a plan file is already planned; --cluster, --gen-lengths, --prompt-len, --disable-pass and --dump-after apply to programs",
+                args.file.display()
+            );
+            return ExitCode::from(2);
+        }
+        let plan = match read_plan(&args.file) {
+            Ok(p) => p,
+            Err(e) => {
+                eprintln!("error: {e}");
+                return ExitCode::from(1);
+            }
+        };
+        let a = Annotated::from_exec_plan(&plan);
+        if let Some(out) = &args.emit
+            && let Err(e) = std::fs::write(out, plan.to_json())
+        {
+            return fail(out, e);
+        }
+        print!("{}", render(&a, args.format));
+        return ExitCode::SUCCESS;
+    }
+    let options = match options(&args.inputs, &args.file) {
+        Ok(o) => o,
         Err(code) => return code,
     };
     let mut dumped = None;
-    let result = plan(&mut prepared, &args.inputs.disable_pass, |name, a| {
+    let result = compile(&args.file, &options, true, &mut |name, a| {
         if dumped.is_none() && args.dump_after.as_deref() == Some(name) {
             dumped = Some(render(a, args.format));
         }
@@ -310,13 +254,22 @@ pub fn run(args: Args) -> ExitCode {
         print!("{text}");
         return ExitCode::SUCCESS;
     }
-    if let Err(code) = result {
-        return code;
-    }
+    let compiled = match result {
+        Ok(c) => c,
+        Err(code) => return code,
+    };
     if let Some(p) = &args.dump_after {
         eprintln!("error: pass `{p}` is disabled, so there is nothing to dump after it");
         return ExitCode::from(2);
     }
-    print!("{}", render(&prepared.annotated, args.format));
+    let (Some(planned), Some(plan)) = (&compiled.planned, compiled.exec_plan()) else {
+        return ExitCode::from(1);
+    };
+    if let Some(out) = &args.emit
+        && let Err(e) = std::fs::write(out, plan.to_json())
+    {
+        return fail(out, e);
+    }
+    print!("{}", render(planned, args.format));
     ExitCode::SUCCESS
 }

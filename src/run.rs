@@ -1,19 +1,23 @@
-//! `braid run FILE.rlhf`: check the program, lower its run to a plan, and execute it on the
-//! runtime with checkpoints and metrics in a run directory. `--resume RUN_DIR` continues a run
-//! from its latest checkpoint.
+//! `braid run FILE.rlhf | PLAN.json`: compile the program once with the driver (or read a
+//! plan `braid plan --emit` wrote), check that the plan is for this process's device and fits
+//! its memory before any weight is read, and execute it on the runtime with checkpoints and
+//! metrics in a run directory. The run directory keeps the plan (`plan.json`); `--resume
+//! RUN_DIR` continues from the latest checkpoint with that plan.
 
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Instant;
 
+use braid_cost::cluster::ClusterSpec;
+use braid_cost::cost::DeviceKind;
+use braid_ir::exec_plan::ExecPlan;
 use braid_runtime::exec::{Event, Executor, RunOptions};
-
-use crate::diag::{self, DiskLoader, Format};
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// The program to run (optional with --resume: the run directory records it).
+    /// The program to run, or a plan file (`braid plan FILE --emit PLAN.json`); optional with
+    /// --resume (the run directory keeps its plan).
     file: Option<PathBuf>,
     /// Where checkpoints, metrics.jsonl and the plan go (default: runs/<program name>).
     #[arg(long, value_name = "DIR")]
@@ -34,9 +38,14 @@ pub struct Args {
     /// each take a core).
     #[arg(long, default_value_t = 1)]
     threads: usize,
-    /// Run inference after generation instead of streaming it under generation.
+    /// Plan with nothing streamed under generation (the `fuse off` pin); for programs only: a
+    /// plan file says what streams.
     #[arg(long)]
     no_fuse: bool,
+    /// Read the plan's relative model and data paths from DIR instead of the directory the
+    /// program was compiled in (for a plan moved to another machine).
+    #[arg(long, value_name = "DIR")]
+    base_dir: Option<PathBuf>,
     /// Print one plain line per step even on a terminal.
     #[arg(long)]
     plain: bool,
@@ -60,31 +69,106 @@ fn runtime_err(e: braid_runtime::Error) -> Fail {
     Fail(e.to_string(), 1)
 }
 
+/// The device this process runs on and the cluster of one such device a program with no
+/// `cluster` block is planned for.
+fn this_world() -> (braid_runtime::Device, ClusterSpec) {
+    let device = braid_runtime::device::default_device();
+    let kind = if device == braid_runtime::Device::Cpu {
+        DeviceKind::Cpu
+    } else {
+        // The cost model needs a device kind; libtorch does not name the GPU, so an unknown
+        // GPU is planned as an H100-class device.
+        DeviceKind::H100
+    };
+    (
+        device,
+        ClusterSpec {
+            nodes: 1,
+            per_node: 1,
+            device: kind,
+        },
+    )
+}
+
+/// Compiles the program for this process's device (the `cluster` block when it has one; the
+/// runtime refuses a plan for another world) and returns its executable plan.
+fn compile(file: &Path, args: &Args, world: ClusterSpec) -> Result<ExecPlan, Fail> {
+    let name = file.display().to_string();
+    let options = braid_driver::Options {
+        default_cluster: Some(world),
+        fuse_off: args.no_fuse,
+        ..braid_driver::Options::default()
+    };
+    let compiled = crate::plan::compile(file, &options, true, &mut |_, _| {})
+        .map_err(|_| Fail(String::new(), 1))?;
+    let mut plan = compiled
+        .exec_plan()
+        .ok_or_else(|| Fail(format!("{name}: the program did not plan"), 1))?;
+    let dir = file.parent().unwrap_or(Path::new("."));
+    let dir = if dir.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        dir
+    };
+    plan.base_dir = std::fs::canonicalize(dir)
+        .unwrap_or_else(|_| dir.to_path_buf())
+        .display()
+        .to_string();
+    Ok(plan)
+}
+
 fn execute(args: &Args) -> Result<(), Fail> {
-    // Which program, which run directory.
-    let (file, run_dir) = match (&args.resume, &args.file) {
+    let (device, world) = this_world();
+    // The plan, and the run directory it runs in.
+    let (plan, run_dir, resume) = match (&args.resume, &args.file) {
         (Some(dir), file) => {
-            let recorded = std::fs::read_to_string(dir.join("run.json"))
-                .ok()
-                .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
-                .and_then(|v| v.get("program").and_then(|p| p.as_str()).map(PathBuf::from));
-            let file = match (file, recorded) {
-                (Some(f), _) => f.clone(),
-                (None, Some(f)) => f,
-                (None, None) => {
+            let recorded = dir.join("plan.json");
+            if !recorded.is_file() {
+                return Err(Fail(
+                    format!(
+                        "{}: not a run directory of this braid (no plan.json); start the run again with `braid run FILE --overwrite`",
+                        dir.display()
+                    ),
+                    2,
+                ));
+            }
+            let plan = crate::plan::read_plan(&recorded).map_err(|e| Fail(e, 1))?;
+            if let Some(f) = file {
+                // The program given again must still plan to the same plan.
+                let again = if crate::plan::is_plan_file(f) {
+                    crate::plan::read_plan(f).map_err(|e| Fail(e, 1))?
+                } else {
+                    compile(f, args, world)?
+                };
+                if again != plan {
                     return Err(Fail(
                         format!(
-                            "{}: not a run directory (no run.json); pass the program too: braid run FILE --resume {}",
+                            "{}: plans differently from the run in {} (the program, its settings or the target changed); resume with `braid run --resume {}` alone to continue the run as it was planned",
+                            f.display(),
                             dir.display(),
                             dir.display()
+                        ),
+                        1,
+                    ));
+                }
+            }
+            (plan, dir.clone(), true)
+        }
+        (None, Some(file)) => {
+            let plan = if crate::plan::is_plan_file(file) {
+                if args.no_fuse {
+                    return Err(Fail(
+                        format!(
+                            "{}: a plan file says what streams; plan the program with `braid plan FILE --emit PLAN.json` and a `fuse off` pin instead of --no-fuse",
+                            file.display()
                         ),
                         2,
                     ));
                 }
+                crate::plan::read_plan(file).map_err(|e| Fail(e, 1))?
+            } else {
+                compile(file, args, world)?
             };
-            (file, dir.clone())
-        }
-        (None, Some(file)) => {
             let stem = file
                 .file_stem()
                 .map(|s| s.to_string_lossy().to_string())
@@ -93,34 +177,15 @@ fn execute(args: &Args) -> Result<(), Fail> {
                 .run_dir
                 .clone()
                 .unwrap_or_else(|| PathBuf::from("runs").join(stem));
-            (file.clone(), dir)
+            (plan, dir, false)
         }
         (None, None) => {
             return Err(Fail(
-                "give a program (braid run FILE.rlhf) or a run to resume (--resume RUN_DIR)".into(),
+                "give a program (braid run FILE.rlhf), a plan (braid run PLAN.json) or a run to resume (--resume RUN_DIR)".into(),
                 2,
             ));
         }
     };
-    let name = file.display().to_string();
-    let text = std::fs::read_to_string(&file).map_err(|e| Fail(format!("{name}: {e}"), 2))?;
-    let checked = braid_sema::check(&name, &text, &DiskLoader);
-    if checked.has_errors() {
-        diag::print(&checked.diagnostics, &checked.sources, Format::Human);
-        return Err(Fail(format!("{name} has errors"), 1));
-    }
-    if !checked.diagnostics.is_empty() {
-        diag::print(&checked.diagnostics, &checked.sources, Format::Human);
-    }
-    let mut plan = braid_sema::lower_graph::lower_run(&checked.program)
-        .map_err(|e| Fail(format!("{name}: cannot plan the run: {e}"), 1))?;
-    let device = braid_runtime::device::default_device();
-    for note in speculation_from_planner(&file, &mut plan, device) {
-        eprintln!("{note}");
-    }
-    let no_stream = unstreamed(&plan, &crate::plan::pins_of(&checked.program, &plan));
-
-    let resume = args.resume.is_some();
     if !resume && run_dir.exists() {
         let non_empty = std::fs::read_dir(&run_dir)
             .map(|mut d| d.next().is_some())
@@ -142,18 +207,10 @@ fn execute(args: &Args) -> Result<(), Fail> {
     }
     std::fs::create_dir_all(&run_dir)
         .map_err(|e| Fail(format!("{}: cannot create: {e}", run_dir.display()), 1))?;
-    let program = std::fs::canonicalize(&file).unwrap_or_else(|_| file.clone());
-    let record = serde_json::json!({ "program": program, "pipeline": plan.pipeline });
-    braid_runtime::training::checkpoint::write_atomic(
-        &run_dir.join("run.json"),
-        record.to_string().as_bytes(),
-    )
-    .map_err(runtime_err)?;
-
-    let base_dir = file
-        .parent()
-        .map(Path::to_path_buf)
-        .unwrap_or_else(|| PathBuf::from("."));
+    let base_dir = match &args.base_dir {
+        Some(d) => d.clone(),
+        None => PathBuf::from(&plan.base_dir),
+    };
     let options = RunOptions {
         run_dir: run_dir.clone(),
         base_dir,
@@ -161,14 +218,15 @@ fn execute(args: &Args) -> Result<(), Fail> {
         threads: args.threads.max(1),
         steps: args.steps,
         checkpoint_every: args.checkpoint_every,
-        fuse: !args.no_fuse,
-        no_stream,
         device,
     };
+    for note in speculation_notes(&plan) {
+        eprintln!("{note}");
+    }
     let mut ex = Executor::new(&plan, options).map_err(runtime_err)?;
-    let names = plan.model_names();
+    let names = plan.plan.model_names();
     let call = |id| {
-        plan.graph.node(id).map_or_else(String::new, |n| {
+        plan.plan.graph.node(id).map_or_else(String::new, |n| {
             let model = n.op.model().and_then(|m| names.get(m as usize));
             format!("{}({})", n.op.name(), model.map_or("", String::as_str))
         })
@@ -177,7 +235,10 @@ fn execute(args: &Args) -> Result<(), Fail> {
         if on.is_empty() {
             eprintln!("{}: inference waits for the whole batch", call(g));
         } else {
-            let list: Vec<String> = on.into_iter().map(call).collect();
+            let list: Vec<String> = on
+                .into_iter()
+                .map(|(c, chunk)| format!("{} ({chunk} per pass)", call(c)))
+                .collect();
             eprintln!("streaming under {}: {}", call(g), list.join(", "));
         }
     }
@@ -186,10 +247,10 @@ fn execute(args: &Args) -> Result<(), Fail> {
     eprintln!(
         "braid: {} `{}`, steps {}..{} of {}, run directory {}",
         if first > 0 { "resuming" } else { "running" },
-        plan.pipeline,
+        plan.plan.pipeline,
         first + 1,
         total,
-        plan.steps,
+        plan.plan.steps,
         run_dir.display()
     );
     let fancy = std::io::stderr().is_terminal() && !args.plain;
@@ -269,112 +330,26 @@ fn execute(args: &Args) -> Result<(), Fail> {
     Ok(())
 }
 
-/// The planner's `speculate` decision for every `generate` the schedule does not pin, for the
-/// one device `braid run` uses (the `cpu` cluster, or one H100-class GPU): where the cost model
-/// says drafting pays at some batch size, the engine runs its adaptive mode (`auto`: prompt-
-/// lookup drafts with the length chosen before every step from measured costs, off where it
-/// does not pay); a declared draft model becomes `draft:DIR`; otherwise `off`. Returns one note
-/// per decision. When the program cannot be planned for this device, generation does not
-/// speculate.
-fn speculation_from_planner(
-    file: &Path,
-    plan: &mut braid_ir::graph::Plan,
-    device: braid_runtime::Device,
-) -> Vec<String> {
-    use braid_ir::graph::{ModelSource, Node, Op};
-    let needs = plan.graph.node_ids().into_iter().any(|id| {
-        matches!(plan.graph.node(id).map(|n| &n.op), Some(Op::Generate { params, .. }) if params.speculate.is_none())
-    });
-    if !needs {
-        return Vec::new();
-    }
-    let inputs = crate::plan::PlanInputs {
-        cluster: Some(
-            if device == braid_runtime::Device::Cpu {
-                "cpu"
-            } else {
-                "1x1xH100"
-            }
-            .into(),
-        ),
-        gen_lengths: None,
-        prompt_len: None,
-        disable_pass: Vec::new(),
-    };
-    let Ok(prepared) = crate::plan::prepare(file, &inputs) else {
-        return vec!["note: the planner could not plan this run for this device; generation does not speculate".into()];
-    };
-    let mut annotated = prepared.annotated;
-    if let Err(e) = braid_passes::passes::PassManager::new().run(&mut annotated, |_, _| {}) {
-        return vec![format!(
-            "note: planning failed ({e}); generation does not speculate"
-        )];
-    }
-    let names = plan.model_names();
-    let hf_dir = |name: &str| {
-        plan.models
-            .iter()
-            .find(|m| m.name == name)
-            .and_then(|m| match &m.source {
-                ModelSource::Hf { dir } => Some(dir.clone()),
-                _ => None,
-            })
-    };
-    let mut notes = Vec::new();
-    for (id, d) in &annotated.decisions.speculation {
-        let drafts = d.policy.iter().any(|(_, k)| *k > 0);
-        let value = match (d.mode.as_str(), drafts) {
-            ("ngram", true) => braid_ir::graph::Speculation::Auto,
-            ("draft", true) => match d.draft_model.as_deref().and_then(hf_dir) {
-                Some(dir) => braid_ir::graph::Speculation::Draft { dir },
-                None => braid_ir::graph::Speculation::Off,
-            },
-            _ => braid_ir::graph::Speculation::Off,
-        };
-        if let Some(Node {
-            op: Op::Generate { model, params },
-            ..
-        }) = plan.graph.node_mut(*id)
-            && params.speculate.is_none()
-        {
-            notes.push(format!(
-                "speculation for generate({}): {value} (planner: {})",
-                names.get(*model as usize).map_or("?", String::as_str),
-                d.why
-            ));
-            params.speculate = Some(value);
-        }
-    }
-    notes
-}
-
-/// The consumers of a rollout the schedule's `fuse` pins keep from streaming: with `fuse off`
-/// every consumer of every `generate`; with `fuse GEN -> A, B`, the consumers of that
-/// generation other than the calls `A` and `B` select.
-fn unstreamed(
-    plan: &braid_ir::graph::Plan,
-    pins: &braid_passes::annotated::Pins,
-) -> std::collections::BTreeSet<braid_ir::graph::NodeId> {
-    let mut out = std::collections::BTreeSet::new();
-    for id in plan.graph.node_ids() {
-        if !matches!(
-            plan.graph.node(id).map(|n| &n.op),
-            Some(braid_ir::graph::Op::Generate { .. })
-        ) {
-            continue;
-        }
-        for c in plan.graph.consumers(id) {
-            let blocked = pins.fuse_off
-                || pins.fuse.iter().any(|f| {
-                    pins.selects_call(plan, &f.from, id)
-                        && !f.to.iter().any(|t| pins.selects_call(plan, t, c))
-                });
-            if blocked {
-                out.insert(c);
-            }
-        }
-    }
-    out
+/// One line per `generate`: how it speculates, and why (the planner's reason).
+fn speculation_notes(plan: &ExecPlan) -> Vec<String> {
+    let names = plan.plan.model_names();
+    plan.decisions
+        .speculation
+        .iter()
+        .map(|(id, d)| {
+            let model = plan
+                .plan
+                .graph
+                .node(*id)
+                .and_then(|n| n.op.model())
+                .and_then(|m| names.get(m as usize))
+                .map_or("?", String::as_str);
+            format!(
+                "speculation for generate({model}): {} (planner: {})",
+                d.run, d.why
+            )
+        })
+        .collect()
 }
 
 fn clock(secs: f64) -> String {

@@ -74,28 +74,27 @@ pub fn run(args: Args) -> ExitCode {
 }
 
 fn run_program(file: &Path, args: &Args) -> ExitCode {
-    let prepared = match crate::plan::prepare(file, &args.inputs) {
-        Ok(p) => p,
+    let options = match crate::plan::options(&args.inputs, file) {
+        Ok(o) => o,
         Err(code) => return code,
     };
-    // Refuse plans that do not fit before simulating them.
-    let mut probe = crate::plan::Prepared {
-        annotated: prepared.annotated.clone(),
-        spans: prepared.spans.clone(),
-        sources: prepared.sources.clone(),
+    // Planned once to refuse plans that do not fit before simulating them; the comparison
+    // plans the same prepared input again with and without each pass.
+    let compiled = match crate::plan::compile(file, &options, true, &mut |_, _| {}) {
+        Ok(c) => c,
+        Err(code) => return code,
     };
-    if let Err(code) = crate::plan::plan(&mut probe, &args.inputs.disable_pass, |_, _| {}) {
-        return code;
-    }
+    let Some(prepared) = compiled.prepared else {
+        return ExitCode::from(1);
+    };
     let opts = SimOptions {
         iterations: args.iterations.max(1),
-        seed: prepared.annotated.seed,
+        seed: prepared.seed,
     };
-    let (cmp, planned, report) =
-        match compare(&prepared.annotated, &args.inputs.disable_pass, &opts) {
-            Ok(x) => x,
-            Err(e) => return fail(file, e),
-        };
+    let (cmp, planned, report) = match compare(&prepared, &args.inputs.disable_pass, &opts) {
+        Ok(x) => x,
+        Err(e) => return fail(file, e),
+    };
     let devices = planned.cluster.devices() as usize;
     if let Some(path) = &args.trace
         && let Err(e) = std::fs::write(path, to_chrome_trace(&report, devices))

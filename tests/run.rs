@@ -108,8 +108,11 @@ fn quickstart_learns_and_leaves_a_loadable_checkpoint() {
         stderr.contains("speculation for generate(policy): "),
         "{stderr}"
     );
-    let plan = std::fs::read_to_string(run_dir.join("plan.txt")).unwrap();
-    assert!(plan.contains(" speculate="), "{plan}");
+    // The run directory keeps the plan it ran: the speculate decision is in it.
+    let plan: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(run_dir.join("plan.json")).unwrap()).unwrap();
+    let spec = &plan["decisions"]["speculation"]["1"]["run"]["mode"];
+    assert!(spec.is_string(), "{plan}");
     let m = metrics(&run_dir);
     assert_eq!(m.len(), 20);
     for (i, line) in m.iter().enumerate() {
@@ -405,7 +408,7 @@ fn bad_inputs_name_the_file() {
     // Resuming something that is not a run directory.
     let out = braid(&["run", "--resume", dir.to_str().unwrap()]);
     assert_eq!(out.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("run.json"));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("plan.json"));
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -455,7 +458,7 @@ fn fuse_pins_choose_what_streams_under_generation() {
         (
             "values",
             "fuse generate(policy) -> values(critic)".to_string(),
-            Some("streaming under generate(policy): values(critic)"),
+            Some("streaming under generate(policy): values(critic) (1 per pass)"),
         ),
     ];
     let mut runs = Vec::new();

@@ -50,30 +50,61 @@ fn expectations(text: &str) -> Expectations {
     out
 }
 
+/// Model shapes for fixtures: a `config.json` beside the fixture, else a preset named by the
+/// directory.
+struct FixtureConfigs;
+
+impl braid_driver::ModelConfigs for FixtureConfigs {
+    fn shape(&self, dir: &str) -> Result<braid_cost::cost::ModelShape, String> {
+        let path = Path::new("tests/ui").join(dir).join("config.json");
+        if let Ok(text) = std::fs::read_to_string(&path) {
+            let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| e.to_string())?;
+            return braid_cost::cost::ModelShape::from_hf_config(dir, &json)
+                .map_err(|e| e.to_string());
+        }
+        braid_driver::Presets.shape(dir)
+    }
+}
+
+/// Checks and plans a fixture the way `braid plan` does (the driver: its run planned on its
+/// `cluster` block, default `cpu`), so that the planner's `E05xx` diagnostics show too.
 fn check_fixture(path: &Path) -> (Expectations, Expectations, String) {
     let name = path.to_string_lossy().replace('\\', "/");
     let text = std::fs::read_to_string(path).unwrap();
-    let checked = braid_sema::check(&name, &text, &Disk);
-    let root = checked.program.root;
+    let compiled = braid_driver::compile(
+        &name,
+        &text,
+        &Disk,
+        &FixtureConfigs,
+        &braid_driver::Options::default(),
+        &mut |_, _| {},
+    );
+    assert!(
+        compiled.internal.is_none(),
+        "{name}: {:?}",
+        compiled.internal
+    );
+    let root = compiled.program.root;
     let mut actual = BTreeSet::new();
     let mut rendered = String::new();
-    let mut diagnostics = checked.diagnostics.clone();
-    if !checked.has_errors() && checked.program.run.is_some() {
-        diagnostics.extend(plan_diagnostics(&checked.program));
-    }
-    for d in &diagnostics {
+    for d in &compiled.diagnostics {
         let span = d.span();
         assert!(!span.is_dummy(), "{name}: {} has no span", d.code);
         assert!(d.help.is_some(), "{name}: {} has no help line", d.code);
         if span.file == root {
-            let line = checked.sources.get(root).unwrap().line_col(span.start).line;
+            let line = compiled
+                .sources
+                .get(root)
+                .unwrap()
+                .line_col(span.start)
+                .line;
             actual.insert((line, d.code.as_str().to_string()));
         } else {
-            actual.insert((0, format!("{}@{}", d.code, checked.sources.location(span))));
+            actual.insert((0, format!("{}@{}", d.code, compiled.sources.location(span))));
         }
         rendered.push_str(&render_terminal(
             d,
-            &checked.sources,
+            &compiled.sources,
             RenderOptions {
                 color: false,
                 width: 100,
@@ -82,48 +113,6 @@ fn check_fixture(path: &Path) -> (Expectations, Expectations, String) {
         rendered.push('\n');
     }
     (expectations(&text), actual, rendered)
-}
-
-/// The planner's diagnostics (`E05xx` that need the cost model) for a clean program: its run
-/// planned on its `cluster` block (default `cpu`), models of `hf(...)` taken from the presets
-/// named by their directories.
-fn plan_diagnostics(program: &braid_sema::hir::Program) -> Vec<braid_diagnostics::Diagnostic> {
-    use braid_cost::cluster::ClusterSpec;
-    use braid_cost::cost::{DeviceKind, ModelShape};
-    use braid_passes::annotated::{Annotated, Pins, default_workload, shapes_from_plan};
-    use braid_passes::render::{PlanSpans, memory_diagnostics};
-    let Ok(plan) = braid_sema::lower_graph::lower_run(program) else {
-        return Vec::new();
-    };
-    let cluster = match &program.cluster {
-        Some(braid_sema::hir::Cluster::Gpus { gpus, gpu, nodes }) => ClusterSpec {
-            nodes: *nodes as u64,
-            per_node: (*gpus / *nodes) as u64,
-            device: DeviceKind::parse(gpu).unwrap(),
-        },
-        _ => ClusterSpec::parse("cpu").unwrap(),
-    };
-    let Ok(shapes) = shapes_from_plan(&plan, &mut |d| {
-        ModelShape::preset_for_path(d).ok_or_else(|| d.to_string())
-    }) else {
-        return Vec::new();
-    };
-    let workload = default_workload(&plan);
-    let cost = cluster.cost_model();
-    let mut a = Annotated::new(plan, cluster, cost, shapes, workload, Pins::default());
-    braid_passes::passes::PassManager::new()
-        .run(&mut a, |_, _| {})
-        .unwrap();
-    let spans = PlanSpans {
-        run: program.run.as_ref().unwrap().span,
-        models: program
-            .models
-            .iter()
-            .filter(|m| m.file == program.root)
-            .map(|m| (m.name.clone(), m.name_span))
-            .collect(),
-    };
-    memory_diagnostics(&a, &spans)
 }
 
 #[test]

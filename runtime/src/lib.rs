@@ -4,6 +4,7 @@
 //! stream work, and the invariants with the tests that keep them.
 
 pub mod device;
+pub mod dist;
 pub mod error;
 pub mod exec;
 pub mod generation;

@@ -7,12 +7,13 @@
 
 use std::fmt;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::cost::{CostModel, DeviceKind, DeviceSpec};
 
 /// A homogeneous cluster: `nodes` machines with `per_node` devices of one kind each.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct ClusterSpec {
     pub nodes: u64,
     pub per_node: u64,

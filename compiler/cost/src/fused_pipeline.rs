@@ -390,7 +390,7 @@ fn order_peak(inst: &Instance, order: &[u32]) -> u64 {
 }
 
 /// One scheduled subtask in the output.
-#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
 pub struct ScheduledTask {
     pub model: usize,
     pub replica: usize,
@@ -401,7 +401,7 @@ pub struct ScheduledTask {
 }
 
 /// How much of each search budget was used (each phase stops early at the lower bound).
-#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
 pub struct SearchStats {
     pub improvement_rounds: u64,
     pub latency_moves: u64,
@@ -410,7 +410,7 @@ pub struct SearchStats {
 }
 
 /// The subtasks one device runs, in order.
-#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
 pub struct DeviceSchedule {
     pub device: usize,
     pub peak_memory: u64,
@@ -418,7 +418,7 @@ pub struct DeviceSchedule {
 }
 
 /// The solver's answer. Field order is the JSON order.
-#[derive(Clone, Debug, Serialize, PartialEq)]
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct FusedSchedule {
     pub latency: u64,
     pub lower_bound: u64,

@@ -106,7 +106,8 @@ codes! {
     E0501 => "pin-matches-nothing", Error, "a schedule pin names no model call of the run";
     E0502 => "ambiguous-pin", Error, "a schedule pin matches more than one model call";
     E0503 => "invalid-device-range", Error, "a `place` pin names devices the cluster does not have";
-    E0504 => "plan-exceeds-memory", Error, "a model call does not fit its devices' memory";
+    E0504 => "plan-exceeds-memory", Error, "a model call, or the models a device holds, do not fit its memory";
+    E0505 => "unknown-model-shape", Error, "a model's architecture cannot be read from its directory or a preset";
     // Warnings.
     W0001 => "unused-let", Warning, "a `let` binding is never used";
     W0002 => "unused-model", Warning, "a declared model is never used by the run";

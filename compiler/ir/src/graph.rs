@@ -311,6 +311,87 @@ pub struct TaskGraph {
     graph: StableDiGraph<Node, Edge, u32>,
 }
 
+/// Two graphs are equal when they have the same nodes under the same ids and the same edges.
+impl PartialEq for TaskGraph {
+    fn eq(&self, other: &TaskGraph) -> bool {
+        let ids = self.node_ids();
+        ids == other.node_ids()
+            && ids.iter().all(|id| self.node(*id) == other.node(*id))
+            && self.edges() == other.edges()
+    }
+}
+
+/// The serialised form of a [`TaskGraph`]: nodes with their ids (a graph a pass removed nodes
+/// from has gaps, and decisions refer to nodes by id), then edges.
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct GraphWire {
+    nodes: Vec<(NodeId, Node)>,
+    edges: Vec<(NodeId, NodeId, Edge)>,
+}
+
+impl Serialize for TaskGraph {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let nodes = self
+            .node_ids()
+            .into_iter()
+            .filter_map(|id| self.node(id).map(|n| (id, n.clone())))
+            .collect();
+        GraphWire {
+            nodes,
+            edges: self.edges(),
+        }
+        .serialize(s)
+    }
+}
+
+impl<'de> Deserialize<'de> for TaskGraph {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<TaskGraph, D::Error> {
+        use serde::de::Error as _;
+        let wire = GraphWire::deserialize(d)?;
+        let mut ids: Vec<NodeId> = wire.nodes.iter().map(|(id, _)| *id).collect();
+        ids.sort();
+        if ids.windows(2).any(|w| w[0] == w[1]) {
+            return Err(D::Error::custom("two nodes have the same id"));
+        }
+        let max = ids.last().map_or(0, |id| id.0 as usize + 1);
+        if max > 1 << 20 {
+            return Err(D::Error::custom("node ids beyond 2^20"));
+        }
+        // Recreate the ids exactly: fill the gaps with placeholders, then remove them.
+        let mut g = TaskGraph::new();
+        let placeholder = Node {
+            op: Op::ByPrompt,
+            ty: DataTy::Unit,
+            gran: Gran::Batch,
+            span: (0, 0),
+            label: None,
+            micro_batch: None,
+        };
+        let mut by_id: BTreeMap<NodeId, Node> = wire.nodes.into_iter().collect();
+        for i in 0..max {
+            let id = NodeId(i as u32);
+            let node = by_id.remove(&id).unwrap_or_else(|| placeholder.clone());
+            g.add_node(node);
+        }
+        for i in 0..max {
+            let id = NodeId(i as u32);
+            if ids.binary_search(&id).is_err() {
+                g.remove_node(id);
+            }
+        }
+        for (a, b, e) in wire.edges {
+            if g.node(a).is_none() || g.node(b).is_none() {
+                return Err(D::Error::custom(format!(
+                    "edge {a} -> {b} names a node that does not exist"
+                )));
+            }
+            g.graph.add_edge(a.index(), b.index(), e);
+        }
+        Ok(g)
+    }
+}
+
 /// What the verifier found wrong.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct VerifyError(pub String);
@@ -870,7 +951,8 @@ pub struct DatasetSpec {
 }
 
 /// What the runtime executes: one iteration's graph, run `steps` times.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Plan {
     pub pipeline: String,
     pub graph: TaskGraph,
@@ -881,8 +963,6 @@ pub struct Plan {
     pub checkpoint_every: i64,
     /// The run's settings, for the record.
     pub settings: Vec<(String, Const)>,
-    /// Sequences per forward pass in inference and training.
-    pub micro_batch: i64,
 }
 
 impl Plan {

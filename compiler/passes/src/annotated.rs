@@ -12,34 +12,14 @@ use braid_ir::graph::{ModelSource, NodeId, Op, Plan};
 use serde::Serialize;
 
 use crate::cluster::ClusterSpec;
-use crate::cost::{BYTE_VOCAB, CostModel, Layout, ModelShape};
-use crate::sim::LengthDist;
+use crate::cost::{BYTE_VOCAB, CostModel, ModelShape};
 
-/// What one iteration processes, beyond what the graph says: how long prompts are and how long
-/// generations turn out (declared, default, or profiled).
-#[derive(Clone, Debug, PartialEq, Serialize)]
-pub struct Workload {
-    pub prompt_len: u64,
-    /// Generated lengths; clipped to each `generate`'s `max_new_tokens`.
-    pub lengths: LengthDist,
-}
-
-impl Workload {
-    /// Prompts of 128 tokens; lengths log-normal with the median at a quarter of the limit and
-    /// σ = 0.6 — long-tailed, as RLHF generations are (RLHFuse Fig. 2).
-    pub fn default_for(max_new_tokens: u64) -> Workload {
-        let max = max_new_tokens.max(1);
-        let mu = ((max as f64) / 4.0).max(1.0).ln();
-        Workload {
-            prompt_len: 128,
-            lengths: LengthDist::LogNormal {
-                mu,
-                sigma: 0.6,
-                max,
-            },
-        }
-    }
-}
+// The passes' decisions are the executable plan's own types: what a pass records is what the
+// runtime reads.
+pub use braid_ir::exec_plan::{
+    Cut, DraftKind, ExecPlan, InterleaveDecision, MigrationDecision, Placement, PlanDecisions,
+    SearchRecord, SpeculationDecision, StreamDecision, TransferDecision, Workload,
+};
 
 /// A model-call selector of a schedule pin, with the model named as the program or the
 /// pipeline names it.
@@ -131,156 +111,6 @@ impl Pins {
     }
 }
 
-/// Where and how one model call runs: devices `first..first+count` with a layout whose
-/// `devices()` is `count`, and (for `train` and inference) the number of micro-batches.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
-pub struct Placement {
-    pub first: u64,
-    pub count: u64,
-    pub dp: u64,
-    pub tp: u64,
-    pub pp: u64,
-    pub microbatches: u64,
-}
-
-impl Placement {
-    pub fn layout(&self) -> Layout {
-        Layout {
-            dp: self.dp,
-            tp: self.tp,
-            pp: self.pp,
-        }
-    }
-
-    pub fn devices(&self) -> std::ops::Range<u64> {
-        self.first..self.first + self.count
-    }
-
-    pub fn overlaps(&self, other: &Placement) -> bool {
-        self.first < other.first + other.count && other.first < self.first + self.count
-    }
-
-    /// The same devices and degrees (micro-batches aside): no parameters need to move.
-    pub fn same_layout(&self, other: &Placement) -> bool {
-        (self.first, self.count, self.dp, self.tp, self.pp)
-            == (other.first, other.count, other.dp, other.tp, other.pp)
-    }
-}
-
-/// How far a consumer of a generation can run ahead of it (`sample-split`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Cut {
-    /// Runs sample by sample as samples finish.
-    Sample,
-    /// Waits for each prompt's group.
-    Group,
-    /// Waits for the whole batch.
-    Batch,
-}
-
-/// `sample-split`'s decision for one node that reads a rollout.
-#[derive(Clone, Debug, PartialEq, Serialize)]
-pub struct StreamDecision {
-    pub generate: NodeId,
-    pub cut: Cut,
-    pub why: String,
-}
-
-/// `sample-split`'s long-tail migration for one `generate`.
-#[derive(Clone, Debug, PartialEq, Serialize)]
-pub struct MigrationDecision {
-    /// Migrate when no more than this many samples are still decoding.
-    pub threshold: u64,
-    /// Engine instances that keep the tail.
-    pub to_instances: u64,
-    /// Every candidate threshold with its simulated mean iteration time (seconds).
-    pub candidates: Vec<(u64, f64)>,
-    pub why: String,
-}
-
-/// `microbatch-interleave`'s fused schedule of two `train` calls sharing devices.
-#[derive(Clone, Debug, PartialEq, Serialize)]
-pub struct InterleaveDecision {
-    /// The model in forward direction (the larger pipeline) and the one in reverse.
-    pub forward: NodeId,
-    pub reverse: NodeId,
-    /// One time unit of the fused problem, in seconds.
-    pub unit_seconds: f64,
-    pub latency: u64,
-    pub lower_bound: u64,
-    pub serial_1f1b_latency: u64,
-    pub peak_memory: u64,
-    /// The whole fused training (every optimizer step of both models), in seconds, against the
-    /// two trainings one after the other.
-    pub fused_seconds: f64,
-    pub serial_seconds: f64,
-    pub why: String,
-}
-
-/// `speculate`'s decision for one `generate`.
-#[derive(Clone, Debug, PartialEq, Serialize)]
-pub struct SpeculationDecision {
-    /// `off`, `ngram` or `draft`.
-    pub mode: String,
-    pub ngram: Option<u64>,
-    pub draft_model: Option<String>,
-    /// Draft length by live batch: `(up to this many live sequences, draft this many tokens)`,
-    /// ascending; 0 means no drafting at that batch.
-    pub policy: Vec<(u64, u64)>,
-    /// Acceptance rate assumed per drafted token.
-    pub acceptance: f64,
-    /// Predicted decode time with and without speculation (seconds).
-    pub predicted_seconds: f64,
-    pub baseline_seconds: f64,
-    pub pinned: bool,
-    pub why: String,
-}
-
-/// `place`'s search record.
-#[derive(Clone, Debug, PartialEq, Serialize)]
-pub struct SearchRecord {
-    pub heuristic_seconds: f64,
-    pub searched_seconds: f64,
-    pub iterations: u64,
-    pub accepted: u64,
-    pub seed: u64,
-    /// The final check in the simulator: each candidate placement (`searched`, `heuristic`,
-    /// `per-model`) with its simulated mean iteration (reshards and offloads inserted, trainings
-    /// interleaved where they would be), in that order; the fastest is kept.
-    pub simulated: Vec<(String, f64)>,
-    pub kept: String,
-}
-
-/// What a transfer node inserted by `reshard-insert` moves and how.
-#[derive(Clone, Debug, PartialEq, Serialize)]
-pub struct TransferDecision {
-    pub bytes: u64,
-    pub collectives: Vec<String>,
-    pub seconds: f64,
-    pub why: String,
-}
-
-/// Everything the passes decided. Keys are node ids of the plan's graph.
-#[derive(Clone, Debug, Default, PartialEq, Serialize)]
-pub struct PlanDecisions {
-    pub placements: BTreeMap<NodeId, Placement>,
-    /// Why each call got its placement.
-    pub placement_why: BTreeMap<NodeId, String>,
-    pub search: Option<SearchRecord>,
-    pub streams: BTreeMap<NodeId, StreamDecision>,
-    pub migrations: BTreeMap<NodeId, MigrationDecision>,
-    /// Streaming consumers moved onto the devices a generation's migration frees.
-    pub subtask_placements: BTreeMap<NodeId, Placement>,
-    pub interleave: Vec<InterleaveDecision>,
-    pub transfers: BTreeMap<NodeId, TransferDecision>,
-    pub speculation: BTreeMap<NodeId, SpeculationDecision>,
-    /// Decisions not taken, and why (e.g. no two trains share devices).
-    pub notes: Vec<String>,
-    /// Passes that ran, in order.
-    pub passes_run: Vec<String>,
-}
-
 /// A plan with its planning context and decisions.
 #[derive(Clone, Debug)]
 pub struct Annotated {
@@ -322,6 +152,36 @@ impl Annotated {
                 .map(|s| s.to_string())
                 .collect(),
             decisions: PlanDecisions::default(),
+        }
+    }
+
+    /// The executable plan of this annotated plan: the plan, its cluster, shapes, workload and
+    /// decisions. `braid plan --emit` writes it; [`Annotated::from_exec_plan`] reads it back to
+    /// the same report.
+    pub fn to_exec_plan(&self) -> ExecPlan {
+        ExecPlan::new(
+            self.plan.clone(),
+            self.cluster,
+            self.shapes.clone(),
+            self.workload.clone(),
+            self.seed,
+            self.decisions.clone(),
+        )
+    }
+
+    /// An executable plan as the planner sees it again (for `braid plan plan.json`): the
+    /// cost model is the cluster's, and no pins (they were applied when it was planned).
+    pub fn from_exec_plan(e: &ExecPlan) -> Annotated {
+        Annotated {
+            plan: e.plan.clone(),
+            cluster: e.cluster,
+            cost: e.cluster.cost_model(),
+            shapes: e.shapes.clone(),
+            workload: e.workload.clone(),
+            pins: Pins::default(),
+            seed: e.seed,
+            enabled: e.decisions.passes_run.clone(),
+            decisions: e.decisions.clone(),
         }
     }
 

@@ -182,6 +182,8 @@ pub fn call_time(a: &Annotated, id: NodeId, p: &Placement) -> f64 {
             );
             step.total * (epochs * mbs) as f64
         }
+        // Taken from the training forward pass (`sample-split`): it runs nothing.
+        _ if a.decisions.reused_logprobs.contains_key(&id) => 0.0,
         _ => {
             // Chunks issued back to back through the pipeline stages, as the simulator runs
             // them (`Work::inference`): `k` chunks take `k + pp − 1` stage times.
@@ -259,7 +261,7 @@ pub fn layout_options(a: &Annotated, id: NodeId, count: u64) -> Vec<Placement> {
                     pp,
                     microbatches: 1,
                 };
-                for m in microbatch_options(&base, &size, is_gen) {
+                for m in microbatch_options(&base, &size, is_gen, streamable(a, id)) {
                     out.push(Placement {
                         microbatches: m,
                         ..base
@@ -272,7 +274,29 @@ pub fn layout_options(a: &Annotated, id: NodeId, count: u64) -> Vec<Placement> {
     out
 }
 
-fn microbatch_options(p: &Placement, size: &CallSize, is_gen: bool) -> Vec<u64> {
+/// An inference call that reads a generation's rollout directly: one `sample-split` may
+/// stream. Its sequences are always cut into at least [`STREAM_MICROBATCHES`] micro-batches, so
+/// that it can run on the first samples to finish — and, streamed or not, it runs the same
+/// micro-batches, so that streaming changes when it runs and never what it computes.
+pub fn streamable(a: &Annotated, id: NodeId) -> bool {
+    let g = &a.plan.graph;
+    g.node(id).is_some_and(|n| {
+        matches!(
+            n.op,
+            Op::Logprobs { .. } | Op::Values { .. } | Op::Score { .. }
+        ) && g
+            .inputs(id)
+            .first()
+            .and_then(|r| g.node(*r))
+            .is_some_and(|r| matches!(r.op, Op::Generate { .. }))
+    })
+}
+
+/// The fewest micro-batches per replica a [`streamable`] call runs in (when it has as many
+/// sequences).
+pub const STREAM_MICROBATCHES: u64 = 8;
+
+fn microbatch_options(p: &Placement, size: &CallSize, is_gen: bool, streamable: bool) -> Vec<u64> {
     if is_gen {
         return vec![1];
     }
@@ -283,14 +307,20 @@ fn microbatch_options(p: &Placement, size: &CallSize, is_gen: bool) -> Vec<u64> 
     if let Some(mb) = size.micro_batch {
         return vec![seqs.div_ceil(mb).max(1)];
     }
-    let mut v = Vec::new();
-    let mut m = 1u64;
+    // Powers of two up to the sequences (and 128), from the least a call may take.
+    let least = if streamable {
+        STREAM_MICROBATCHES.min(seqs)
+    } else {
+        1
+    };
+    let mut v = vec![least];
+    let mut m = least.next_power_of_two();
+    if m == least {
+        m *= 2;
+    }
     while m <= seqs.min(128) {
         v.push(m);
         m *= 2;
-    }
-    if v.is_empty() {
-        v.push(1);
     }
     v
 }

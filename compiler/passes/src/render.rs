@@ -358,6 +358,107 @@ pub struct PlanSpans {
     pub models: BTreeMap<String, Span>,
 }
 
+/// `E0504 plan-exceeds-memory` for what a device holds at once, when every call fits on its
+/// own: the weights of every model with a call on the device (with gradients and optimizer
+/// state for trained ones) stay resident between calls, and the largest transient need of a
+/// call there (its activations, its KV cache) comes on top. A model that `reshard-insert`
+/// offloads is resident only while its own calls run. One diagnostic per run of devices with
+/// the same residents, naming the models and the bytes.
+pub fn resident_memory_diagnostics(a: &Annotated, spans: &PlanSpans) -> Vec<Diagnostic> {
+    let placements = estimate::placements(a);
+    let usable = a.cost.device.usable_memory();
+    let offloaded: std::collections::BTreeSet<u32> = a
+        .plan
+        .graph
+        .node_ids()
+        .into_iter()
+        .filter_map(|id| match a.plan.graph.node(id).map(|n| &n.op) {
+            Some(Op::Offload { model, .. }) => Some(*model),
+            _ => None,
+        })
+        .collect();
+    // Calls that do not fit on their own already have their diagnostic.
+    let alone: std::collections::BTreeSet<u64> = placements
+        .iter()
+        .filter(|(id, p)| {
+            estimate::call_memory(a, **id, p).is_some_and(|m| m.fits(&a.cost.device).is_err())
+        })
+        .flat_map(|(_, p)| p.devices())
+        .collect();
+    let mut out = Vec::new();
+    let mut reported: Vec<(Vec<String>, u64)> = Vec::new();
+    for d in 0..a.cluster.devices() {
+        if alone.contains(&d) {
+            continue;
+        }
+        // Per model on this device: its resident bytes (max over its calls here).
+        let mut resident: BTreeMap<u32, u64> = BTreeMap::new();
+        let mut transient = 0u64;
+        for id in a.calls() {
+            let Some(p) = placements.get(&id).filter(|p| p.devices().contains(&d)) else {
+                continue;
+            };
+            let (Some(m), Some(mem)) = (
+                a.plan.graph.node(id).and_then(|n| n.op.model()),
+                estimate::call_memory(a, id, p),
+            ) else {
+                continue;
+            };
+            let state = mem.weights + mem.gradients + mem.optimizer;
+            let mut here = mem.activations + mem.kv_cache;
+            if offloaded.contains(&m) {
+                here += state;
+            } else {
+                let e = resident.entry(m).or_default();
+                *e = (*e).max(state);
+            }
+            transient = transient.max(here);
+        }
+        let held: u64 = resident.values().sum();
+        let total = held + transient;
+        if total <= usable {
+            continue;
+        }
+        let names: Vec<String> = resident.keys().map(|m| a.model_name(*m)).collect();
+        if let Some(last) = reported.last_mut()
+            && last.0 == names
+        {
+            last.1 = d + 1;
+            continue;
+        }
+        reported.push((names.clone(), d + 1));
+        let parts: Vec<String> = resident
+            .iter()
+            .map(|(m, b)| format!("`{}` {}", a.model_name(*m), gb(*b)))
+            .collect();
+        let mut diag = Diagnostic::new(
+            Code::E0504,
+            format!(
+                "the models on device {d} ({}) need {total} bytes together, which is more than its {usable} usable",
+                a.cost.device.kind.name()
+            ),
+            spans.run,
+            "the models of this run do not fit together".to_string(),
+        )
+        .with_note(format!(
+            "resident between calls: {}; the largest call's activations and KV cache add {}; {} usable",
+            parts.join(", "),
+            gb(transient),
+            gb(usable)
+        ))
+        .with_help(
+            "plan for more or larger devices (`cluster { gpus: … }` or `--cluster`), place the models on different devices (`place` pins), or use smaller models",
+        );
+        for n in &names {
+            if let Some(s) = spans.models.get(n) {
+                diag = diag.with_label(*s, format!("`{n}` is declared here"));
+            }
+        }
+        out.push(diag);
+    }
+    out
+}
+
 /// `E0504 plan-exceeds-memory`: one diagnostic per call whose placement does not fit its
 /// devices' memory, naming the call, the devices and the bytes.
 pub fn memory_diagnostics(a: &Annotated, spans: &PlanSpans) -> Vec<Diagnostic> {

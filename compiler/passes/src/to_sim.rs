@@ -65,6 +65,8 @@ pub fn to_dag(a: &Annotated, fusion: bool) -> Result<(Dag, BTreeMap<NodeId, Task
     let deps = estimate::call_deps(a);
     let devices = a.cluster.devices() as usize;
     let mut b = DagBuilder::new(devices);
+    // On a CPU the runtime generates on one thread and runs streamed inference on another.
+    b.threaded(a.cost.device.kind == crate::cost::DeviceKind::Cpu);
     let mut task_of: BTreeMap<NodeId, TaskId> = BTreeMap::new();
     let order = g.topo_order().unwrap_or_else(|| g.node_ids());
     let transfers: Vec<NodeId> = g
@@ -217,6 +219,8 @@ pub fn to_dag(a: &Annotated, fusion: bool) -> Result<(Dag, BTreeMap<NodeId, Task
                     };
                     Work::Fixed { seconds: secs }
                 }
+                // Taken from the training forward pass: no work of its own.
+                _ if a.decisions.reused_logprobs.contains_key(&id) => Work::Fixed { seconds: 0.0 },
                 _ => {
                     let per = size.samples.div_ceil(p.dp.max(1));
                     Work::inference(

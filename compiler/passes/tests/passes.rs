@@ -188,7 +188,10 @@ fn pins_are_respected() {
     let gen_id = a.calls()[0];
     let p = a.decisions.placements[&gen_id];
     assert_eq!((p.first, p.count, p.dp, p.tp, p.pp), (0, 8, 4, 2, 1));
-    assert_eq!(a.decisions.speculation[&gen_id].mode, "off");
+    assert_eq!(
+        a.decisions.speculation[&gen_id].mode,
+        braid_passes::annotated::DraftKind::Off
+    );
     assert!(a.decisions.speculation[&gen_id].pinned);
     assert_eq!(a.decisions.migrations[&gen_id].threshold, 32);
 }
@@ -321,5 +324,58 @@ fn the_policys_logprobs_stream_in_the_generations_layout() {
     assert!(
         start < end,
         "{name} starts at {start}, the generation ends at {end}"
+    );
+}
+
+const REUSE_MODELS: &str = "model policy = tiny(vocab: \"bytes\", layers: 1, hidden: 32, heads: 2) {\n  train: adamw(lr: 1e-3)\n}\nmodel critic = tiny(vocab: \"bytes\", layers: 1, hidden: 32, heads: 2) {\n  head: value\n  train: adamw(lr: 1e-3)\n}\ndataset d = synthetic::letters(count: 8)\nfn r(s: Sample) -> float { len(s.completion) }\n";
+
+fn reused_labels(p: &braid_ir::graph::Plan) -> Vec<String> {
+    braid_passes::passes::sample_split::reusable_logprobs(p)
+        .into_keys()
+        .map(|n| p.graph.node(n).unwrap().label.clone().unwrap_or_default())
+        .collect()
+}
+
+/// The policy's own log-probabilities come from its training forward pass only when the
+/// update is a single optimizer step and nothing but the loss reads them.
+#[test]
+fn on_policy_logprobs_are_reused_only_when_exact() {
+    let run = |pipeline: &str, settings: &str| {
+        lower(
+            "t.rlhf",
+            &format!("use std::{pipeline}\n{REUSE_MODELS}{settings}"),
+        )
+    };
+    let one = run(
+        "grpo",
+        "run grpo(policy, d, reward: r) {\n  steps: 1\n  batch: 2\n  group: 2\n}\n",
+    );
+    assert_eq!(reused_labels(&one), vec!["old_logp".to_string()]);
+    let epochs = run(
+        "grpo",
+        "run grpo(policy, d, reward: r) {\n  steps: 1\n  batch: 2\n  group: 2\n  epochs: 2\n}\n",
+    );
+    assert!(reused_labels(&epochs).is_empty());
+    let minibatches = run(
+        "grpo",
+        "run grpo(policy, d, reward: r) {\n  steps: 1\n  batch: 2\n  group: 2\n  minibatches: 2\n}\n",
+    );
+    assert!(reused_labels(&minibatches).is_empty());
+    // PPO shapes rewards with old_logp (a kernel reads it): computed by inference.
+    let ppo = run(
+        "ppo",
+        "run ppo_fn(policy, d, reward: r, critic: critic) {\n  steps: 1\n  batch: 2\n  minibatches: 1\n}\n",
+    );
+    assert!(reused_labels(&ppo).is_empty());
+    // The pass records it, and the reused call neither streams nor costs time.
+    let mut a = annotate(one.clone(), "cpu", Pins::default());
+    PassManager::new().run(&mut a, |_, _| {}).unwrap();
+    let (&lp, _) = a.decisions.reused_logprobs.iter().next().unwrap();
+    assert_eq!(a.decisions.streams[&lp].cut, Cut::Batch);
+    assert!(
+        a.to_exec_plan()
+            .streamed(braid_ir::graph::NodeId(1))
+            .iter()
+            .all(|(c, _)| *c != lp)
     );
 }

@@ -470,6 +470,75 @@ pub enum Cluster {
     Gpus { gpus: i64, gpu: String, nodes: i64 },
 }
 
+/// A model-call selector of a schedule pin: `generate`, `logprobs(ref)`. The model is named
+/// as the program or the pipeline names it; the planner resolves it against the plan's slots.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Selector {
+    /// `generate`, `logprobs`, `values`, `score` or `train`.
+    pub op: String,
+    pub model: Option<String>,
+    pub span: Span,
+}
+
+/// How a `speculate` pin drafts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SpeculatePin {
+    Off,
+    /// `ngram(n) [max k]`.
+    Ngram {
+        n: u64,
+        max: Option<u64>,
+    },
+    /// `draft(m)`: the name of a declared model.
+    Draft {
+        model: String,
+    },
+}
+
+/// A schedule pin as the checker accepted it.
+#[derive(Debug, Clone, PartialEq)]
+pub enum PinKind {
+    /// `fuse off`.
+    FuseOff,
+    /// `fuse GEN -> A, B`.
+    Fuse { from: Selector, to: Vec<Selector> },
+    /// `migrate off`.
+    MigrateOff,
+    /// `migrate below P%`: the threshold as a fraction of the samples.
+    MigrateBelow(f64),
+    /// `interleave A, B`.
+    Interleave(Vec<Selector>),
+    /// `place SEL on devices FROM..TO [tp N] [pp N] [dp N]`.
+    Place {
+        target: Selector,
+        from: u64,
+        to: u64,
+        tp: Option<u64>,
+        pp: Option<u64>,
+        dp: Option<u64>,
+    },
+    /// `speculate [SEL] MODE`.
+    Speculate {
+        target: Option<Selector>,
+        mode: SpeculatePin,
+    },
+    /// `micro_batch SEL N`.
+    MicroBatch { target: Selector, size: i64 },
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Pin {
+    pub kind: PinKind,
+    pub span: Span,
+}
+
+/// The `schedule` block, lowered from the syntax tree once checked: the HIR holds no syntax
+/// nodes.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Schedule {
+    pub pins: Vec<Pin>,
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct Program {
     /// The root file (the one given to `braid check`).
@@ -480,7 +549,7 @@ pub struct Program {
     pub datasets: Vec<Dataset>,
     pub run: Option<Run>,
     pub cluster: Option<Cluster>,
-    pub schedule: Option<braid_syntax::ast::Schedule>,
+    pub schedule: Option<Schedule>,
     /// Every resolved use of a name: (where it is used, what it refers to, the definition's span).
     pub references: Vec<Reference>,
 }

@@ -10,7 +10,6 @@ use braid_ir::graph::{
     self as g, ArithOp, Const, DataTy, GenParams, Gran, Node, NodeId, Op, Operand, TaskGraph,
 };
 use braid_ir::loss::InputKind;
-use braid_syntax::ast::{self, PinKind};
 
 use crate::hir::*;
 use crate::lower_kernel::{LowerError, lower_fn};
@@ -18,9 +17,6 @@ use crate::lower_loss::{LossArg, LossTree, lower_objective};
 
 /// Drafted tokens of an `ngram(…)` pin without `max` (the engine's `--speculate ngram`).
 pub const DEFAULT_NGRAM_DRAFT: u32 = 4;
-
-/// Sequences per forward pass when the schedule does not pin one.
-pub const DEFAULT_MICRO_BATCH: i64 = 8;
 
 fn err<T>(msg: impl Into<String>) -> Result<T, LowerError> {
     Err(LowerError(msg.into()))
@@ -153,7 +149,6 @@ pub fn lower_run(program: &Program) -> Result<g::Plan, LowerError> {
             .iter()
             .map(|(k, v)| (k.clone(), to_const(v)))
             .collect(),
-        micro_batch: DEFAULT_MICRO_BATCH,
     })
 }
 
@@ -713,7 +708,7 @@ impl Cx<'_> {
                     if selects(target, self.graph.node(id), &names)
                         && let Some(n) = self.graph.node_mut(id)
                     {
-                        n.micro_batch = Some(size.value);
+                        n.micro_batch = Some(*size);
                     }
                 }
             }
@@ -732,22 +727,19 @@ impl Cx<'_> {
                 continue;
             };
             let value = match mode {
-                ast::SpeculateMode::Off => g::Speculation::Off,
-                ast::SpeculateMode::Ngram { max, .. } => g::Speculation::Ngram {
-                    max_draft: max
-                        .as_ref()
-                        .map_or(DEFAULT_NGRAM_DRAFT, |m| m.value.max(1) as u32),
+                SpeculatePin::Off => g::Speculation::Off,
+                SpeculatePin::Ngram { max, .. } => g::Speculation::Ngram {
+                    max_draft: max.map_or(DEFAULT_NGRAM_DRAFT, |m| m as u32),
                 },
-                ast::SpeculateMode::Draft(model) => {
-                    let Some(m) = self.program.models.iter().find(|m| m.name == model.name) else {
-                        return err(format!("draft model `{}` is not declared", model.name));
+                SpeculatePin::Draft { model } => {
+                    let Some(m) = self.program.models.iter().find(|m| &m.name == model) else {
+                        return err(format!("draft model `{model}` is not declared"));
                     };
                     match &m.source {
                         ModelSource::Hf { dir } => g::Speculation::Draft { dir: dir.clone() },
                         _ => {
                             return err(format!(
-                                "draft model `{}` must be a Hugging Face directory (`hf(\"…\")`) for the runtime to load it",
-                                model.name
+                                "draft model `{model}` must be a Hugging Face directory (`hf(\"…\")`) for the runtime to load it"
                             ));
                         }
                     }
@@ -790,16 +782,14 @@ impl Cx<'_> {
     }
 }
 
-fn selects(sel: &ast::Selector, node: Option<&Node>, names: &[Vec<String>]) -> bool {
+fn selects(sel: &Selector, node: Option<&Node>, names: &[Vec<String>]) -> bool {
     let Some(node) = node else { return false };
-    if node.op.name() != sel.op.name {
+    if node.op.name() != sel.op {
         return false;
     }
     match (&sel.model, node.op.model()) {
         (None, _) => true,
-        (Some(m), Some(slot)) => names
-            .get(slot as usize)
-            .is_some_and(|ns| ns.contains(&m.name)),
+        (Some(m), Some(slot)) => names.get(slot as usize).is_some_and(|ns| ns.contains(m)),
         (Some(_), None) => false,
     }
 }

@@ -107,16 +107,13 @@ pub fn lower_objective(
         nodes: Vec::new(),
     };
     let result = cx.tree(tree)?;
-    let (objective, kept) =
-        cx.b.finish_pruning_inputs(result)
+    // An input the specialised loss no longer reads (a KL term with `kl_coef: 0.0`) stays an
+    // input: the graph keeps the dataflow the program wrote, which the planner's pins and
+    // streaming decisions refer to.
+    let objective =
+        cx.b.finish(result)
             .map_err(|e| LowerError(format!("loss `{}`: {e}", names.join(" + "))))?;
-    // Inputs the specialised loss no longer reads (a KL term with `kl_coef: 0.0`) are not
-    // the loss node's inputs: the graph shows what the loss depends on.
-    let nodes = kept
-        .iter()
-        .filter_map(|&k| cx.nodes.get(k).copied())
-        .collect();
-    Ok((objective, nodes))
+    Ok((objective, cx.nodes))
 }
 
 /// A value while lowering: an IR value, a constant of the run, or the loss's model.

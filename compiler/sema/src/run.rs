@@ -101,7 +101,7 @@ impl Checker<'_> {
             if runs.is_empty() || self.program.run.is_some() {
                 self.schedule(s);
             }
-            self.program.schedule = Some(s.clone());
+            self.program.schedule = Some(lower_schedule(s));
         }
         if self.program.run.is_some() {
             self.unused_models();
@@ -701,11 +701,11 @@ impl Checker<'_> {
             .collect();
         if let Some(s) = &self.program.schedule {
             for p in &s.pins {
-                if let ast::PinKind::Speculate {
-                    mode: ast::SpeculateMode::Draft(d),
+                if let PinKind::Speculate {
+                    mode: SpeculatePin::Draft { model },
                     ..
                 } = &p.kind
-                    && let Some(m) = self.program.models.iter().position(|m| m.name == d.name)
+                    && let Some(m) = self.program.models.iter().position(|m| &m.name == model)
                 {
                     used.insert(m as u32);
                 }
@@ -1007,4 +1007,79 @@ fn coerce(v: Value, ty: &SigTy) -> Value {
         (SigTy::Float, Value::Int(i)) => Value::Float(i as f64),
         (_, v) => v,
     }
+}
+
+fn lower_selector(s: &ast::Selector) -> Selector {
+    Selector {
+        op: s.op.name.clone(),
+        model: s.model.as_ref().map(|m| m.name.clone()),
+        span: s.span,
+    }
+}
+
+/// The schedule's pins without their syntax: selectors by name, numbers as values. Negative
+/// numbers were reported by `schedule`; they lower to the nearest valid value so that the HIR
+/// stays well-formed for the language server.
+fn lower_schedule(s: &ast::Schedule) -> Schedule {
+    let count = |v: i64| v.max(0) as u64;
+    let pins = s
+        .pins
+        .iter()
+        .map(|p| {
+            let kind = match &p.kind {
+                ast::PinKind::FuseOff => PinKind::FuseOff,
+                ast::PinKind::MigrateOff => PinKind::MigrateOff,
+                ast::PinKind::MigrateBelow { percent, .. } => {
+                    PinKind::MigrateBelow(percent / 100.0)
+                }
+                ast::PinKind::Fuse { from, to } => PinKind::Fuse {
+                    from: lower_selector(from),
+                    to: to.iter().map(lower_selector).collect(),
+                },
+                ast::PinKind::Interleave(sels) => {
+                    PinKind::Interleave(sels.iter().map(lower_selector).collect())
+                }
+                ast::PinKind::Place {
+                    target,
+                    from,
+                    to,
+                    layout,
+                } => {
+                    let get = |k: ast::LayoutKind| {
+                        layout
+                            .iter()
+                            .find(|(kind, _)| *kind == k)
+                            .map(|(_, v)| v.value.max(1) as u64)
+                    };
+                    PinKind::Place {
+                        target: lower_selector(target),
+                        from: count(from.value),
+                        to: count(to.value),
+                        tp: get(ast::LayoutKind::Tp),
+                        pp: get(ast::LayoutKind::Pp),
+                        dp: get(ast::LayoutKind::Dp),
+                    }
+                }
+                ast::PinKind::Speculate { target, mode } => PinKind::Speculate {
+                    target: target.as_ref().map(lower_selector),
+                    mode: match mode {
+                        ast::SpeculateMode::Off => SpeculatePin::Off,
+                        ast::SpeculateMode::Ngram { n, max } => SpeculatePin::Ngram {
+                            n: n.value.max(1) as u64,
+                            max: max.as_ref().map(|m| m.value.max(1) as u64),
+                        },
+                        ast::SpeculateMode::Draft(m) => SpeculatePin::Draft {
+                            model: m.name.clone(),
+                        },
+                    },
+                },
+                ast::PinKind::MicroBatch { target, size } => PinKind::MicroBatch {
+                    target: lower_selector(target),
+                    size: size.value.max(1),
+                },
+            };
+            Pin { kind, span: p.span }
+        })
+        .collect();
+    Schedule { pins }
 }

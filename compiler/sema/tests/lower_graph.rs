@@ -14,8 +14,8 @@ fn lower(name: &str, src: &str) -> Plan {
 
 fn text(plan: &Plan) -> String {
     let mut s = format!(
-        "pipeline {} steps={} seed={} micro_batch={}\n",
-        plan.pipeline, plan.steps, plan.seed, plan.micro_batch
+        "pipeline {} steps={} seed={}\n",
+        plan.pipeline, plan.steps, plan.seed
     );
     for m in &plan.models {
         s.push_str(&format!(

@@ -4,18 +4,25 @@
 use super::*;
 
 impl<'p> Executor<'p> {
-    /// Runs a `logprobs`, `values` or `score` node on sequences.
+    /// Sequences per forward pass of call `id` over `n` sequences: `n` split into the plan's
+    /// micro-batch count for the call.
+    pub(super) fn micro_size(&self, id: NodeId, n: usize) -> usize {
+        let mb = self.exec.placement(id).map_or(1, |p| p.microbatches.max(1)) as usize;
+        n.div_ceil(mb).max(1)
+    }
+
+    /// Runs a `logprobs`, `values` or `score` node on sequences, `micro` per forward pass.
     pub(super) fn infer(
         &self,
         op: &Op,
         model: u32,
         seqs: &[Rollout],
         temperature: f64,
-        micro: Option<i64>,
+        micro: usize,
     ) -> Result<Val> {
         let slot = &self.slots[model as usize];
         let opts = InferOptions {
-            micro_batch: micro.unwrap_or(self.plan.micro_batch).max(1) as usize,
+            micro_batch: micro.max(1),
             temperature: temperature as f32,
         };
         Ok(collect_rows(

@@ -1,6 +1,9 @@
-//! The executor of a [`Plan`]: runs the task graph of one iteration `steps` times on the
+//! The executor of an [`ExecPlan`]: runs the task graph of one iteration `steps` times on the
 //! runtime — generation, inference streamed under generation, `fn` kernels through the JIT,
-//! element-wise arithmetic, losses and training — with checkpoints and per-step metrics.
+//! element-wise arithmetic, losses and training — with checkpoints and per-step metrics. It
+//! runs what the plan decided: which calls stream and in what chunks, how each call splits
+//! its sequences into micro-batches, how each `generate` speculates, which log-probabilities
+//! come from a training forward pass; it decides none of these itself.
 //!
 //! **Streaming (inter-stage fusion on one machine).** The `logprobs`, `values` and `score`
 //! nodes that read a rollout directly run on micro-batches of finished samples while
@@ -23,6 +26,7 @@ use std::sync::Arc;
 use std::sync::mpsc;
 use std::time::Instant;
 
+use braid_ir::exec_plan::ExecPlan;
 use braid_ir::graph::{ArithOp, Const, ModelSource, ModelSpec, NodeId, Op, Operand, Plan};
 use braid_ir::kernel::{Arg, Batch, KernelExec, Output, ParamKind, Ragged, SampleText, ScalarTy};
 use braid_jit::{CompiledKernel, Jit};
@@ -72,11 +76,6 @@ pub struct RunOptions {
     pub steps: Option<i64>,
     /// Checkpoint every K steps (the plan's `checkpoint_every` when `None`); 0: only at the end.
     pub checkpoint_every: Option<i64>,
-    /// Stream inference under generation (inter-stage fusion).
-    pub fuse: bool,
-    /// Consumers of a rollout that must wait for the whole batch even when `fuse` is on (the
-    /// schedule's `fuse off` / `fuse GEN -> A, B` pins, resolved by the caller).
-    pub no_stream: BTreeSet<NodeId>,
     pub device: Device,
 }
 
@@ -109,6 +108,8 @@ struct Slot {
 
 /// The executor.
 pub struct Executor<'p> {
+    exec: &'p ExecPlan,
+    /// `exec.plan`: the graph, models, datasets and settings.
     plan: &'p Plan,
     options: RunOptions,
     slots: Vec<Slot>,
@@ -182,7 +183,8 @@ impl<'p> Executor<'p> {
                 Op::Logprobs { model } | Op::Values { model } | Op::Score { model } => {
                     let r = rollout_of(&vals, inputs.first())?;
                     let seqs: Vec<Rollout> = r.samples.iter().map(|s| s.rollout.clone()).collect();
-                    let v = self.infer(&node.op, *model, &seqs, r.temperature, node.micro_batch)?;
+                    let micro = self.micro_size(id, seqs.len());
+                    let v = self.infer(&node.op, *model, &seqs, r.temperature, micro)?;
                     *time.entry("infer").or_default() += t0.elapsed().as_secs_f64();
                     v
                 }
@@ -233,7 +235,8 @@ impl<'p> Executor<'p> {
                         Some(Val::Loss(t)) => t.clone(),
                         _ => return Err(Error::invalid("plan", format!("{id}: no loss"))),
                     };
-                    let micro = node.micro_batch.unwrap_or(self.plan.micro_batch).max(1) as usize;
+                    let per_minibatch = r.samples.len().div_ceil((*minibatches).max(1) as usize);
+                    let micro = self.micro_size(id, per_minibatch);
                     let (stats, own_logp) = self.train(
                         *model as usize,
                         &r,
@@ -280,48 +283,5 @@ impl<'p> Executor<'p> {
         }
         m.insert("time/step".into(), t_step.elapsed().as_secs_f64());
         Ok((m, lengths))
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn plan(src: &str) -> Plan {
-        let checked = braid_sema::check("t.rlhf", src, &braid_sema::NoImports);
-        assert!(!checked.has_errors(), "{:?}", checked.diagnostics);
-        braid_sema::lower_graph::lower_run(&checked.program).unwrap()
-    }
-
-    const MODELS: &str = "model policy = tiny(vocab: \"bytes\", layers: 1, hidden: 32, heads: 2) {\n  train: adamw(lr: 1e-3)\n}\nmodel critic = tiny(vocab: \"bytes\", layers: 1, hidden: 32, heads: 2) {\n  head: value\n  train: adamw(lr: 1e-3)\n}\ndataset d = synthetic::letters(count: 8)\nfn r(s: Sample) -> float { len(s.completion) }\n";
-
-    fn reused_labels(p: &Plan) -> Vec<String> {
-        reusable_logprobs(p)
-            .into_iter()
-            .map(|n| p.graph.node(n).unwrap().label.clone().unwrap_or_default())
-            .collect()
-    }
-
-    /// The policy's own log-probabilities come from its training forward pass only when the
-    /// update is a single optimizer step and nothing but the loss reads them.
-    #[test]
-    fn on_policy_logprobs_are_reused_only_when_exact() {
-        let one = plan(&format!(
-            "use std::grpo\n{MODELS}run grpo(policy, d, reward: r) {{\n  steps: 1\n  batch: 2\n  group: 2\n}}\n"
-        ));
-        assert_eq!(reused_labels(&one), vec!["old_logp".to_string()]);
-        let epochs = plan(&format!(
-            "use std::grpo\n{MODELS}run grpo(policy, d, reward: r) {{\n  steps: 1\n  batch: 2\n  group: 2\n  epochs: 2\n}}\n"
-        ));
-        assert!(reused_labels(&epochs).is_empty());
-        let minibatches = plan(&format!(
-            "use std::grpo\n{MODELS}run grpo(policy, d, reward: r) {{\n  steps: 1\n  batch: 2\n  group: 2\n  minibatches: 2\n}}\n"
-        ));
-        assert!(reused_labels(&minibatches).is_empty());
-        // PPO shapes rewards with old_logp (a kernel reads it): computed by inference.
-        let ppo = plan(&format!(
-            "use std::ppo\n{MODELS}run ppo_fn(policy, d, reward: r, critic: critic) {{\n  steps: 1\n  batch: 2\n  minibatches: 1\n}}\n"
-        ));
-        assert!(reused_labels(&ppo).is_empty());
     }
 }

@@ -9,11 +9,11 @@ impl<'p> Executor<'p> {
             return Ok(());
         };
         let state = checkpoint::read_state(&dir)?;
-        let fingerprint = fingerprint(self.plan);
+        let fingerprint = fingerprint(self.exec);
         if state.fingerprint != fingerprint {
             return Err(Error::file(
                 dir.join("state.json"),
-                "the checkpoint was made by a different program or different run settings; resume with the program that made it",
+                "the checkpoint was made by a different plan (another program, other run settings, or planned for another target); resume with the run directory's own plan.json",
             ));
         }
         for slot in self.slots.iter_mut() {
@@ -54,6 +54,10 @@ impl<'p> Executor<'p> {
         checkpoint::write_atomic(
             &self.options.run_dir.join("plan.txt"),
             format!("{}\n{}", self.plan.graph_text(), self.plan.losses_text()).as_bytes(),
+        )?;
+        checkpoint::write_atomic(
+            &self.options.run_dir.join("plan.json"),
+            self.exec.to_json().as_bytes(),
         )?;
         on_event(Event::Start {
             first_step: self.first_step,
@@ -119,7 +123,7 @@ impl<'p> Executor<'p> {
             cursors,
             seed: self.plan.seed,
             pipeline: self.plan.pipeline.clone(),
-            fingerprint: fingerprint(self.plan),
+            fingerprint: fingerprint(self.exec),
         };
         let trained: Vec<(&str, &Model, &Tokenizer, &AdamW)> = self
             .slots
@@ -205,17 +209,10 @@ pub(super) fn length_histogram(lengths: &[usize]) -> String {
     out
 }
 
-/// What identifies a run's program: its graph, its losses and settings.
-pub fn fingerprint(plan: &Plan) -> String {
-    let mut text = plan.graph_text();
-    text.push_str(&plan.losses_text());
-    for (k, v) in &plan.settings {
-        text.push_str(&format!("{k}={v}\n"));
-    }
-    text.push_str(&format!("seed={}\n", plan.seed));
-    for m in &plan.models {
-        text.push_str(&format!("{m:?}\n"));
-    }
+/// What identifies a run: a hash (64-bit FNV-1a) of its plan's JSON form, which holds the
+/// program's graph, models, data, settings and every planning decision.
+pub fn fingerprint(plan: &ExecPlan) -> String {
+    let text = plan.to_json();
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     for b in text.bytes() {
         h ^= u64::from(b);

@@ -1,13 +1,15 @@
-//! Setting a run up: building each model from its source (frozen copies included),
-//! replicas for generation, and which `logprobs` nodes are reused from training or streamed
-//! under generation.
+//! Setting a run up: checking that the plan is for the world it runs in, building each model
+//! from its source (frozen copies included) in the plan's dtype, replicas for generation,
+//! datasets and kernels.
 
 use super::*;
 
 impl<'p> Executor<'p> {
     /// Builds the models, loads the data, compiles the kernels, and restores the latest
     /// checkpoint when resuming.
-    pub fn new(plan: &'p Plan, options: RunOptions) -> Result<Executor<'p>> {
+    pub fn new(exec: &'p ExecPlan, options: RunOptions) -> Result<Executor<'p>> {
+        check_world(exec, options.device)?;
+        let plan = &exec.plan;
         crate::device::set_cpu_threads(options.threads);
         let total_steps = options.steps.unwrap_or(plan.steps).min(plan.steps).max(0);
         let order = plan
@@ -20,7 +22,7 @@ impl<'p> Executor<'p> {
         }
         // Optimizer steps per train node and per model, for the schedules.
         let mut opt_steps: BTreeMap<u32, i64> = BTreeMap::new();
-        let reused = reusable_logprobs(plan);
+        let reused: BTreeSet<NodeId> = exec.decisions.reused_logprobs.keys().copied().collect();
         // Models that generate while a streamed consumer runs on the same model: they need a
         // replica to generate on.
         let mut needs_replica: BTreeSet<u32> = Default::default();
@@ -37,10 +39,10 @@ impl<'p> Executor<'p> {
                 *opt_steps.entry(*model).or_default() += epochs * minibatches * total_steps;
             }
             if let Op::Generate { model, .. } = &node.op
-                && options.fuse
-                && streamed(plan, *id, &reused, &options.no_stream)
+                && exec
+                    .streamed(*id)
                     .iter()
-                    .any(|c| plan.graph.node(*c).and_then(|n| n.op.model()) == Some(*model))
+                    .any(|(c, _)| plan.graph.node(*c).and_then(|n| n.op.model()) == Some(*model))
             {
                 needs_replica.insert(*model);
             }
@@ -116,6 +118,7 @@ impl<'p> Executor<'p> {
             })
         });
         let mut ex = Executor {
+            exec,
             plan,
             options,
             slots,
@@ -153,9 +156,9 @@ impl<'p> Executor<'p> {
         self.total_steps
     }
 
-    /// Per `generate`, the inference calls that stream under it (none with `fuse` off, or
-    /// where the schedule's `fuse` pins keep them waiting for the whole batch).
-    pub fn streaming(&self) -> Vec<(NodeId, Vec<NodeId>)> {
+    /// Per `generate`, the inference calls that stream under it, with the finished samples
+    /// each takes per forward pass (as the plan says).
+    pub fn streaming(&self) -> Vec<(NodeId, Vec<(NodeId, u64)>)> {
         self.plan
             .graph
             .node_ids()
@@ -166,24 +169,44 @@ impl<'p> Executor<'p> {
                     Some(Op::Generate { .. })
                 )
             })
-            .map(|g| {
-                let on = if self.options.fuse {
-                    streamed(self.plan, g, &self.reused, &self.options.no_stream)
-                } else {
-                    Vec::new()
-                };
-                (g, on)
-            })
+            .map(|g| (g, self.exec.streamed(g)))
             .collect()
     }
 }
 
-pub(super) fn kind_of(spec: &ModelSpec, device: Device) -> Kind {
-    match spec.dtype {
-        Some(d) => crate::models::model::kind_of(d),
-        None if device == Device::Cpu => Kind::Float,
-        None => Kind::BFloat16,
+/// Refuses a plan made for another world: this process is one device (the CPU, or the first
+/// CUDA device), so the plan's cluster must be one device of that kind.
+fn check_world(exec: &ExecPlan, device: Device) -> Result<()> {
+    let c = &exec.cluster;
+    let want_cpu = c.device == braid_cost::cost::DeviceKind::Cpu;
+    let have_cpu = device == Device::Cpu;
+    if c.devices() != 1 {
+        return Err(Error::invalid(
+            "plan",
+            format!(
+                "is for {} devices ({c}) but this run is one process on one device; plan it for one device (`--cluster cpu` or `--cluster 1x1x{}`)",
+                c.devices(),
+                c.device.name()
+            ),
+        ));
     }
+    if want_cpu != have_cpu {
+        return Err(Error::invalid(
+            "plan",
+            format!(
+                "is for {c} but this process runs on {}; plan it for this device",
+                if have_cpu { "the CPU" } else { "a GPU" }
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// The dtype a verified plan names for every model.
+pub(super) fn kind_of(spec: &ModelSpec) -> Result<Kind> {
+    spec.dtype
+        .map(crate::models::model::kind_of)
+        .ok_or_else(|| Error::invalid(format!("model `{}`", spec.name), "the plan names no dtype"))
 }
 
 /// Builds a model from its source (following frozen copies to the model they copy).
@@ -235,7 +258,7 @@ pub(super) fn build_model(
                 &path,
                 &LoadOptions {
                     head,
-                    dtype: Some(kind_of(root, device)),
+                    dtype: Some(kind_of(root)?),
                     device,
                 },
             )?;
@@ -265,71 +288,4 @@ pub(super) fn copy_weights(dst: &mut Model, src: &Model) -> Result<()> {
         }
         Ok(())
     })
-}
-
-/// `logprobs` nodes that need no inference pass: on a trained model, every consumer a loss
-/// whose every consumer is a `train` of that model on the same rollout with one epoch and one
-/// mini-batch. That `train` takes a single optimizer step, so
-/// its forward pass computes the model's log-probabilities before the update — exactly what
-/// the node stands for (TRL does the same when the update is on-policy). The values are taken,
-/// detached, from that forward pass; the node is filled in after the `train`.
-pub(super) fn reusable_logprobs(plan: &Plan) -> BTreeSet<NodeId> {
-    let g = &plan.graph;
-    let mut out = BTreeSet::new();
-    for id in g.node_ids() {
-        let Some(Op::Logprobs { model }) = g.node(id).map(|n| &n.op) else {
-            continue;
-        };
-        let trained = plan
-            .models
-            .get(*model as usize)
-            .is_some_and(|m| m.optimizer.is_some());
-        let rollout = g.inputs(id).first().copied();
-        let consumers = g.consumers(id);
-        let trains_ok = |loss: NodeId| -> bool {
-            let trains = g.consumers(loss);
-            !trains.is_empty()
-                && trains.iter().all(|c| {
-                    matches!(g.node(*c).map(|x| &x.op), Some(Op::Train {
-                        model: m,
-                        epochs: 1,
-                        minibatches: 1,
-                    }) if m == model && g.inputs(*c).first().copied() == rollout)
-                })
-        };
-        if trained
-            && !consumers.is_empty()
-            && consumers.iter().all(|c| {
-                matches!(g.node(*c).map(|x| &x.op), Some(Op::Loss { .. })) && trains_ok(*c)
-            })
-        {
-            out.insert(id);
-        }
-    }
-    out
-}
-
-/// The logprobs/values/score nodes that read a rollout directly and need an inference pass
-/// (not reused from training): the consumers streamed under its generation.
-pub(super) fn streamed(
-    plan: &Plan,
-    generate: NodeId,
-    reused: &BTreeSet<NodeId>,
-    no_stream: &BTreeSet<NodeId>,
-) -> Vec<NodeId> {
-    plan.graph
-        .consumers(generate)
-        .into_iter()
-        .filter(|c| {
-            !reused.contains(c)
-                && !no_stream.contains(c)
-                && plan.graph.node(*c).is_some_and(|n| {
-                    matches!(
-                        n.op,
-                        Op::Logprobs { .. } | Op::Values { .. } | Op::Score { .. }
-                    )
-                })
-                && plan.graph.inputs(*c).first() == Some(&generate)
-        })
-        .collect()
 }

@@ -63,25 +63,25 @@ impl<'p> Executor<'p> {
             stop_at_eos: true,
         };
         let temperature = f64::from(sampling.logprob_temperature());
-        let consumers: Vec<NodeId> = if self.options.fuse {
-            streamed(self.plan, id, &self.reused, &self.options.no_stream)
-        } else {
-            Vec::new()
-        };
+        // The plan's streamed consumers, each with the finished samples it takes per pass.
+        let consumers: Vec<(NodeId, usize)> = self
+            .exec
+            .streamed(id)
+            .into_iter()
+            .map(|(c, chunk)| (c, chunk.max(1) as usize))
+            .collect();
         let total = prompt_ids.len() * sampling.n;
-        let micro = self.plan.micro_batch.max(1) as usize;
         let threads = self.options.threads;
         let mut stats = GenStats::default();
         let mut samples: Vec<Option<(Sample, Rollout)>> = vec![None; total];
         // Per consumer: per-sample results, filled as micro-batches finish.
-        let mut partial: BTreeMap<NodeId, Vec<Option<PerSampleOut>>> =
-            consumers.iter().map(|c| (*c, vec![None; total])).collect();
+        let mut partial: BTreeMap<NodeId, Vec<Option<PerSampleOut>>> = consumers
+            .iter()
+            .map(|(c, _)| (*c, vec![None; total]))
+            .collect();
         let n = sampling.n;
         let engine = EngineOptions {
-            speculate: match &params.speculate {
-                None => SpeculateMode::Off,
-                Some(s) => SpeculateMode::from_plan(s, &self.options.base_dir),
-            },
+            speculate: SpeculateMode::from_plan(&self.exec.speculation(id), &self.options.base_dir),
             ..EngineOptions::default()
         };
         // Split borrows: generation gets the replica (or the model when nothing streams).
@@ -135,49 +135,54 @@ impl<'p> Executor<'p> {
                 }
                 t_gen.elapsed().as_secs_f64()
             });
-            let mut pending: Vec<usize> = Vec::new();
+            // Per consumer, the first sample of its next micro-batch. Micro-batches are runs of
+            // consecutive samples of the rollout, each run as soon as all of its samples have
+            // finished: the same micro-batches the call runs without streaming, so streaming
+            // changes when it computes, never what (whatever the threads' timing).
+            let mut next: Vec<usize> = vec![0; consumers.len()];
+            let mut finished = vec![false; total];
             let mut outcome: Result<()> = Ok(());
-            let mut run_chunk = |pending: &mut Vec<usize>,
+            let mut run_chunk = |k: usize,
+                                 range: std::ops::Range<usize>,
                                  samples: &Vec<Option<(Sample, Rollout)>>,
                                  stats: &mut GenStats|
              -> Result<()> {
-                if pending.is_empty() || consumers.is_empty() {
-                    pending.clear();
+                if range.is_empty() {
                     return Ok(());
                 }
+                let (c, chunk) = consumers[k];
                 let t0 = Instant::now();
-                let seqs: Vec<Rollout> = pending
-                    .iter()
-                    .filter_map(|&i| samples[i].as_ref().map(|(_, r)| r.clone()))
+                let seqs: Vec<Rollout> = range
+                    .clone()
+                    .filter_map(|i| samples[i].as_ref().map(|(_, r)| r.clone()))
                     .collect();
-                for c in &consumers {
-                    let Some(node) = plan.graph.node(*c) else {
-                        continue;
-                    };
-                    let Some(m) = node.op.model() else { continue };
-                    let Some((_, mm)) = others.iter().find(|(i, _)| *i == m as usize) else {
-                        return Err(Error::invalid("plan", format!("{c}: model busy")));
-                    };
-                    let opts = InferOptions {
-                        micro_batch: node.micro_batch.unwrap_or(plan.micro_batch).max(1) as usize,
-                        temperature: temperature as f32,
-                    };
-                    let out = infer_per_sample(mm, &node.op, &seqs, &opts)?;
-                    let dst = partial
-                        .get_mut(c)
-                        .ok_or_else(|| Error::invalid("plan", format!("{c}: no result buffer")))?;
-                    for (&i, o) in pending.iter().zip(out) {
-                        dst[i] = Some(o);
-                    }
+                let Some(node) = plan.graph.node(c) else {
+                    return Err(Error::invalid("plan", format!("{c} is not a node")));
+                };
+                let Some(m) = node.op.model() else {
+                    return Err(Error::invalid("plan", format!("{c} runs no model")));
+                };
+                let Some((_, mm)) = others.iter().find(|(i, _)| *i == m as usize) else {
+                    return Err(Error::invalid("plan", format!("{c}: model busy")));
+                };
+                let opts = InferOptions {
+                    micro_batch: chunk,
+                    temperature: temperature as f32,
+                };
+                let out = infer_per_sample(mm, &node.op, &seqs, &opts)?;
+                let dst = partial
+                    .get_mut(&c)
+                    .ok_or_else(|| Error::invalid("plan", format!("{c}: no result buffer")))?;
+                for (i, o) in range.zip(out) {
+                    dst[i] = Some(o);
                 }
                 let start = t0.duration_since(t_gen).as_secs_f64();
                 let end = t_gen.elapsed().as_secs_f64();
                 stats.infer_seconds += end - start;
                 stats.chunks.push((start, end));
-                pending.clear();
                 Ok(())
             };
-            for item in rx.iter() {
+            'receive: for item in rx.iter() {
                 let sample = match item {
                     Ok(s) => s,
                     Err(e) => {
@@ -187,22 +192,32 @@ impl<'p> Executor<'p> {
                 };
                 let slot = sample.prompt_index * n + sample.sample_index;
                 let r = Rollout::from_sample(&prompt_ids[sample.prompt_index], &sample);
-                if slot < samples.len() {
-                    samples[slot] = Some((sample, r));
-                    pending.push(slot);
+                if slot >= samples.len() {
+                    continue;
                 }
-                if pending.len() >= micro
-                    && let Err(e) = run_chunk(&mut pending, &samples, &mut stats)
-                {
-                    outcome = Err(e);
-                    break;
+                samples[slot] = Some((sample, r));
+                finished[slot] = true;
+                for k in 0..consumers.len() {
+                    let chunk = consumers[k].1;
+                    loop {
+                        let range = next[k]..(next[k] + chunk).min(total);
+                        if range.is_empty() || !finished[range.clone()].iter().all(|f| *f) {
+                            break;
+                        }
+                        next[k] = range.end;
+                        if let Err(e) = run_chunk(k, range, &samples, &mut stats) {
+                            outcome = Err(e);
+                            break 'receive;
+                        }
+                    }
                 }
             }
             drop(rx);
             let gen_seconds = handle.join().unwrap_or(0.0);
             stats.gen_seconds = gen_seconds;
             outcome?;
-            run_chunk(&mut pending, &samples, &mut stats)?;
+            // When every sample has finished, every micro-batch has run; a rollout that lost
+            // samples is reported below.
             // Inference is hidden under generation only where a chunk's interval overlaps the
             // generation thread's (which ends when it has handed over the last sample).
             stats.hidden_seconds = stats

@@ -8,13 +8,13 @@
 
 use std::time::Instant;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 const GB: f64 = 1e9;
 const GIB: u64 = 1 << 30;
 
 /// The kinds of device the planner knows.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
 pub enum DeviceKind {
     #[serde(rename = "H100-80G")]
     H100,

@@ -12,7 +12,7 @@ pub mod model;
 
 use std::fmt;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 pub use device::{DeviceKind, DeviceSpec, measure_cpu_flops};
 pub use model::{BYTE_VOCAB, ModelShape};
@@ -32,7 +32,7 @@ impl std::error::Error for CostError {}
 /// How a model call is split over devices: data-, tensor- and pipeline-parallel degrees.
 /// Ranks are numbered tensor-parallel innermost, then data-parallel, then pipeline, so
 /// tensor-parallel groups stay inside a node when they can (they talk every layer).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Layout {
     pub dp: u64,
     pub tp: u64,

@@ -4,13 +4,14 @@
 //! This module only describes shapes and counts parameters and FLOPs; it must not read files
 //! (the caller parses `config.json`) and knows nothing about devices.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use super::CostError;
 
 /// A decoder-only transformer with (grouped-query) attention and a gated MLP, the shape of
 /// LLaMA, Qwen, Mistral and the tiny models Braid builds.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct ModelShape {
     pub name: String,
     pub layers: u64,

@@ -145,6 +145,10 @@ pub struct TaskSpec {
 pub struct Dag {
     pub devices: usize,
     pub tasks: Vec<TaskSpec>,
+    /// The devices are multi-core hosts (CPUs) on which the generation engine and the
+    /// inference it streams into run on threads of their own, as Braid's runtime runs them:
+    /// a streaming consumer's chunk may run on a device its producer holds.
+    pub threaded: bool,
 }
 
 /// Why a DAG is malformed.
@@ -173,9 +177,16 @@ impl DagBuilder {
             dag: Dag {
                 devices,
                 tasks: Vec::new(),
+                threaded: false,
             },
             errors: Vec::new(),
         }
+    }
+
+    /// Marks the devices as threaded hosts (see [`Dag::threaded`]).
+    pub fn threaded(&mut self, yes: bool) -> &mut DagBuilder {
+        self.dag.threaded = yes;
+        self
     }
 
     /// Adds a task; returns its id.

@@ -147,10 +147,26 @@ pub fn simulate(dag: &Dag, opts: &SimOptions) -> Result<SimReport, SimError> {
                 / n,
         })
         .collect();
-    let mut busy = vec![0.0; dag.devices];
+    // Busy time per device: the union of its spans (on threaded devices a streamed chunk
+    // runs beside the generation, and the device is busy once, not twice).
+    let mut spans: Vec<Vec<(f64, f64)>> = vec![Vec::new(); dag.devices];
     for s in &timeline {
-        busy[s.device] += s.end - s.start;
+        spans[s.device].push((s.start, s.end));
     }
+    let busy: Vec<f64> = spans
+        .into_iter()
+        .map(|mut v| {
+            v.sort_by(|a, b| a.0.total_cmp(&b.0));
+            let (mut total, mut end) = (0.0, f64::NEG_INFINITY);
+            for (a, b) in v {
+                if b > end {
+                    total += b - a.max(end);
+                    end = b;
+                }
+            }
+            total
+        })
+        .collect();
     let device_utilisation: Vec<f64> = busy
         .iter()
         .map(|b| {
@@ -227,6 +243,10 @@ struct Engine<'a> {
     queue: BinaryHeap<std::cmp::Reverse<(Time, u64, Event)>>,
     seq: u64,
     owner: Vec<Option<usize>>,
+    /// On threaded devices ([`Dag::threaded`]): the streaming consumer running a chunk beside
+    /// the generation that holds the device (one at a time, as the runtime's one inference
+    /// thread runs them).
+    lane: Vec<Option<usize>>,
     runs: Vec<TaskRun>,
     rng: &'a mut Rng,
     timeline: &'a mut Vec<Span>,
@@ -348,9 +368,12 @@ impl Engine<'_> {
         let free: Vec<usize> = (0..*replicas as usize)
             .filter(|&r| {
                 !self.runs[i].busy.get(r).copied().unwrap_or(true)
-                    && t.devices[r * per..(r + 1) * per]
-                        .iter()
-                        .all(|&d| self.owner[d].is_none())
+                    && t.devices[r * per..(r + 1) * per].iter().all(|&d| {
+                        self.owner[d].is_none()
+                            || (self.dag.threaded
+                                && self.owner[d] == Some(p.0)
+                                && self.lane[d].is_none())
+                    })
             })
             .collect();
         if free.is_empty() {
@@ -369,7 +392,12 @@ impl Engine<'_> {
             let devs = t.devices[r * per..(r + 1) * per].to_vec();
             let end = now + t.work.run_time(n);
             for &d in &devs {
-                self.owner[d] = Some(i);
+                if self.owner[d].is_none() {
+                    self.owner[d] = Some(i);
+                } else {
+                    // Beside its producer, on a threaded device.
+                    self.lane[d] = Some(i);
+                }
             }
             self.runs[i].busy[r] = true;
             self.runs[i].in_flight += n;
@@ -407,6 +435,9 @@ impl Engine<'_> {
         for &d in devices {
             if self.owner[d] == Some(i) {
                 self.owner[d] = None;
+            }
+            if self.lane[d] == Some(i) {
+                self.lane[d] = None;
             }
         }
     }
@@ -475,6 +506,7 @@ fn run_iteration(
         queue: BinaryHeap::new(),
         seq: 0,
         owner: vec![None; dag.devices],
+        lane: vec![None; dag.devices],
         runs: vec![
             TaskRun {
                 state: State::Waiting,

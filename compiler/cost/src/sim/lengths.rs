@@ -7,13 +7,13 @@
 
 use std::fmt;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::prng::Rng;
 
 /// A distribution of generated lengths, in tokens (always at least 1).
-#[derive(Clone, Debug, PartialEq, Serialize)]
-#[serde(tag = "kind", rename_all = "lowercase")]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "lowercase", deny_unknown_fields)]
 pub enum LengthDist {
     Fixed {
         len: u64,
@@ -112,6 +112,43 @@ impl LengthDist {
                 Ok(LengthDist::LogNormal { mu, sigma, max })
             }
             _ => err(&format!("unknown kind `{}`", kind.trim())),
+        }
+    }
+
+    /// Checks what parsing guarantees, for a distribution that came from elsewhere (a plan
+    /// file): lengths ≥ 1, a non-empty range, finite parameters, a histogram with one running
+    /// total per length, strictly increasing.
+    pub fn validate(&self) -> Result<(), LengthError> {
+        let bad = |what: &str| Err(LengthError(what.to_string()));
+        match self {
+            LengthDist::Fixed { len } if *len == 0 => bad("a fixed length must be at least 1"),
+            LengthDist::Uniform { lo, hi } if *lo == 0 || lo > hi => {
+                bad("a uniform range must be `lo..hi` with 1 <= lo <= hi")
+            }
+            LengthDist::LogNormal { mu, sigma, max }
+                if !mu.is_finite()
+                    || !sigma.is_finite()
+                    || *sigma < 0.0
+                    || *mu > 20.0
+                    || *max == 0 =>
+            {
+                bad("a log-normal needs finite mu <= 20, sigma >= 0 and max >= 1")
+            }
+            LengthDist::Empirical { lens, cumulative } => {
+                if lens.is_empty() || lens.len() != cumulative.len() {
+                    return bad(
+                        "a histogram needs one running total per length, and at least one length",
+                    );
+                }
+                if lens.contains(&0) {
+                    return bad("histogram lengths must be at least 1");
+                }
+                if cumulative.windows(2).any(|w| w[1] <= w[0]) || cumulative[0] == 0 {
+                    return bad("histogram running totals must increase");
+                }
+                Ok(())
+            }
+            _ => Ok(()),
         }
     }
 

@@ -326,38 +326,6 @@ impl ObjectiveBuilder {
         });
     }
 
-    /// Like [`finish`](Self::finish), and without the inputs nothing reads any more: returns
-    /// the objective and, for each input it keeps, its index among the inputs made.
-    pub fn finish_pruning_inputs(
-        self,
-        result: Value,
-    ) -> Result<(Objective, Vec<usize>), BuildError> {
-        let mut o = self.finish(result)?;
-        let mut kept: Vec<usize> = o
-            .insts
-            .iter()
-            .filter_map(|i| match i.op {
-                Op::Input(n) => Some(n as usize),
-                _ => None,
-            })
-            .collect();
-        kept.sort_unstable();
-        kept.dedup();
-        for inst in &mut o.insts {
-            if let Op::Input(n) = &mut inst.op
-                && let Some(k) = kept.iter().position(|x| *x == *n as usize)
-            {
-                *n = k as u32;
-            }
-        }
-        o.inputs = kept
-            .iter()
-            .filter_map(|&k| o.inputs.get(k).copied())
-            .collect();
-        verify::verify(&o)?;
-        Ok((o, kept))
-    }
-
     /// The objective with `result` as its loss, without the instructions nothing uses,
     /// verified.
     pub fn finish(mut self, result: Value) -> Result<Objective, BuildError> {

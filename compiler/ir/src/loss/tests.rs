@@ -127,17 +127,6 @@ fn unused_instructions_are_removed() {
     let o = b.finish(l).unwrap();
     assert_eq!(o.insts.len(), 2);
     assert_eq!(o.inputs, vec![InputKind::PerToken]);
-    // Inputs nothing reads can go too; the kept ones are renumbered.
-    let mut b = ObjectiveBuilder::new("t");
-    let _unused = b.input(InputKind::PerToken);
-    let adv = b.input(InputKind::PerSample);
-    let logp = b.model(ModelOutput::Logp);
-    let pg = b.binary(BinOp::Mul, adv, logp);
-    let l = b.batch_sum(pg);
-    let (o, kept) = b.finish_pruning_inputs(l).unwrap();
-    assert_eq!(kept, vec![1]);
-    assert_eq!(o.inputs, vec![InputKind::PerSample]);
-    assert!(o.insts.iter().any(|i| i.op == Op::Input(0)));
 }
 
 #[test]

@@ -154,6 +154,7 @@ impl Pass for MicrobatchInterleave {
                     peak_memory: s.peak_memory,
                     fused_seconds,
                     serial_seconds: f.serial_seconds,
+                    schedule: s,
                     why,
                 });
                 used.push(x);

@@ -12,6 +12,7 @@
 use std::collections::BTreeMap;
 
 use braid_ir::graph::{DataTy, Gran, Node, NodeId, Op};
+use braid_ir::transfer::{TransferPlan, plan_reshard};
 
 use crate::annotated::{Annotated, Placement, TransferDecision};
 use crate::estimate::{self, reshard_bytes, reshard_seconds};
@@ -86,6 +87,7 @@ impl Pass for ReshardInsert {
                         bytes,
                         collectives: collectives(pa, pb, bytes),
                         seconds,
+                        plan: plan_reshard(&shape, pa, pb),
                         why,
                     },
                 );
@@ -124,6 +126,8 @@ impl Pass for ReshardInsert {
                     bytes,
                     collectives: vec!["device-to-host copy".into()],
                     seconds,
+                    // Every device of the mesh copies its own shard to host memory.
+                    plan: TransferPlan::default(),
                     why: why.clone(),
                 },
             );
@@ -142,6 +146,8 @@ impl Pass for ReshardInsert {
                     bytes,
                     collectives: vec!["host-to-device copy".into()],
                     seconds,
+                    // Every device of the mesh copies its own shard back from host memory.
+                    plan: TransferPlan::default(),
                     why,
                 },
             );

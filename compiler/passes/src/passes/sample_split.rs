@@ -31,6 +31,9 @@ impl Pass for SampleSplit {
     }
 
     fn run(&self, a: &mut Annotated) -> Result<(), PassError> {
+        // On-policy log-probabilities come from the training forward pass, streamed or not.
+        let reused = reusable_logprobs(&a.plan);
+        a.decisions.reused_logprobs = reused.clone();
         if a.pins.fuse_off {
             a.decisions
                 .notes
@@ -89,11 +92,24 @@ impl Pass for SampleSplit {
                     (false, _) => {}
                 }
             }
+            let mut chunk = 0;
+            if let Some(train) = reused.get(&id) {
+                cut = Cut::Batch;
+                why = format!(
+                    "taken from the forward pass of {} (one optimizer step: the log-probabilities \
+                     before the update), so it runs no inference of its own",
+                    a.call_name(*train)
+                );
+            } else if cut == Cut::Sample && node.op.is_model_call() {
+                // Set by `set_chunks` once the placements it streams on are known.
+                chunk = 1;
+            }
             streams.push((
                 id,
                 StreamDecision {
                     generate: gen_id,
                     cut,
+                    chunk,
                     why,
                 },
             ));
@@ -328,7 +344,34 @@ impl Pass for SampleSplit {
             a.decisions.migrations.clear();
             a.decisions.subtask_placements.clear();
         }
+        set_chunks(a);
         Ok(())
+    }
+}
+
+/// Records each streamed call's chunk, for the placement it streams on (the devices migration
+/// frees, when it moved there).
+fn set_chunks(a: &mut Annotated) {
+    let placements = estimate::placements(a);
+    let mut chunks = Vec::new();
+    for (id, s) in &a.decisions.streams {
+        if s.chunk == 0 {
+            continue;
+        }
+        let p = a
+            .decisions
+            .subtask_placements
+            .get(id)
+            .or_else(|| placements.get(id));
+        if let Some(p) = p {
+            chunks.push((*id, stream_chunk(a, *id, p)));
+        }
+    }
+    for (id, chunk) in chunks {
+        if let Some(s) = a.decisions.streams.get_mut(&id) {
+            s.chunk = chunk;
+            s.why.push_str(&format!(", {chunk} per forward pass"));
+        }
     }
 }
 
@@ -433,6 +476,74 @@ fn fuse_pin(a: &Annotated, gen_id: NodeId) -> Option<&FusePin> {
         .iter()
         .rev()
         .find(|p| a.selected(&p.from, gen_id))
+}
+
+/// Finished samples a streamed inference call takes per forward pass on placement `p`: its
+/// sequences per micro-batch, the same micro-batches it runs without streaming (placement
+/// gives such calls at least [`estimate::STREAM_MICROBATCHES`] of them). The runtime runs each
+/// micro-batch — consecutive samples of the rollout — as soon as all its samples have finished.
+pub fn stream_chunk(a: &Annotated, id: NodeId, p: &Placement) -> u64 {
+    let Some(size) = call_size(a, id) else {
+        return 1;
+    };
+    let per = size.samples.div_ceil(p.dp.max(1));
+    per.div_ceil(p.microbatches.max(1)).max(1)
+}
+
+/// `logprobs` calls that need no inference pass: on a trained model, every consumer a loss
+/// (a `train`'s objective, sums included) whose every consumer is a `train` of that model on
+/// the same rollout with one epoch and one mini-batch. That `train` takes a single optimizer step, so
+/// its forward pass computes the model's log-probabilities before the update — exactly what
+/// the node stands for (TRL does the same when the update is on-policy). The runtime takes the
+/// values, detached, from that forward pass. Value: the `train`.
+pub fn reusable_logprobs(
+    plan: &braid_ir::graph::Plan,
+) -> std::collections::BTreeMap<NodeId, NodeId> {
+    let g = &plan.graph;
+    let mut out = std::collections::BTreeMap::new();
+    for id in g.node_ids() {
+        let Some(Op::Logprobs { model }) = g.node(id).map(|n| &n.op) else {
+            continue;
+        };
+        let trained = plan
+            .models
+            .get(*model as usize)
+            .is_some_and(|m| m.optimizer.is_some());
+        let rollout = g.inputs(id).first().copied();
+        let consumers = g.consumers(id);
+        let mut train_of = None;
+        let mut trains_ok = |loss: NodeId| -> bool {
+            let mut found = false;
+            for c in g.consumers(loss) {
+                match g.node(c).map(|x| &x.op) {
+                    Some(Op::Train {
+                        model: m,
+                        epochs: 1,
+                        minibatches: 1,
+                    }) if m == model && g.inputs(c).first().copied() == rollout => {
+                        found = true;
+                        if train_of.is_none_or(|t| t == c) {
+                            train_of = Some(c);
+                        } else {
+                            return false;
+                        }
+                    }
+                    _ => return false,
+                }
+            }
+            found
+        };
+        if trained
+            && !consumers.is_empty()
+            && consumers.iter().all(|c| {
+                matches!(g.node(*c).map(|x| &x.op), Some(Op::Loss { .. })) && trains_ok(*c)
+            })
+            && let Some(t) = train_of
+        {
+            out.insert(id, t);
+        }
+    }
+    out
 }
 
 /// Call `id` (placed at `p`) moved onto `freed`: the same tensor and pipeline degrees, as many

@@ -12,9 +12,9 @@
 //! The acceptance rates are assumptions ([`NGRAM_ACCEPTANCE`], [`DRAFT_ACCEPTANCE`]) until the
 //! runtime profiles them.
 
-use braid_ir::graph::{NodeId, Op};
+use braid_ir::graph::{NodeId, Op, Speculation};
 
-use crate::annotated::{Annotated, SpeculatePin, SpeculationDecision};
+use crate::annotated::{Annotated, DraftKind, SpeculatePin, SpeculationDecision};
 use crate::cost::{Layout, ModelShape};
 use crate::estimate::{self, call_size};
 use crate::passes::{Pass, PassError};
@@ -59,6 +59,10 @@ impl Pass for Speculate {
             };
             let Some(model) = node.op.model() else {
                 continue;
+            };
+            let pinned_run = match &node.op {
+                Op::Generate { params, .. } => params.speculate.clone(),
+                _ => None,
             };
             let Some(shape) = a.shape(model).cloned() else {
                 continue;
@@ -188,17 +192,42 @@ impl Pass for Speculate {
             } else {
                 merged
             };
+            // A pin runs as written (lowering put it on the node, the draft model resolved to
+            // its directory); otherwise the engine drafts adaptively where drafting pays.
+            let run = match (pinned, &pinned_run) {
+                (true, Some(r)) => r.clone(),
+                _ if mode != "off" => Speculation::Auto,
+                _ => Speculation::Off,
+            };
+            let mode = match mode {
+                "ngram" => DraftKind::Ngram,
+                "draft" => DraftKind::Draft,
+                _ => DraftKind::Off,
+            };
             a.decisions.speculation.insert(
                 gen_id,
                 SpeculationDecision {
-                    mode: mode.to_string(),
-                    ngram: if mode == "ngram" { ngram } else { None },
-                    draft_model: if mode == "draft" { draft_model } else { None },
+                    mode,
+                    ngram: if mode == DraftKind::Ngram {
+                        ngram
+                    } else {
+                        None
+                    },
+                    draft_model: if mode == DraftKind::Draft {
+                        draft_model
+                    } else {
+                        None
+                    },
                     policy,
-                    acceptance: if mode == "off" { 0.0 } else { alpha },
-                    predicted_seconds: if mode == "off" { baseline } else { predicted },
+                    acceptance: if mode == DraftKind::Off { 0.0 } else { alpha },
+                    predicted_seconds: if mode == DraftKind::Off {
+                        baseline
+                    } else {
+                        predicted
+                    },
                     baseline_seconds: baseline,
                     pinned,
+                    run,
                     why,
                 },
             );
