@@ -5,7 +5,7 @@
 //! linearly, `stop_grad`, and `metric` declarations — and, once every body is checked, which
 //! values carry gradients (E0317, W0004) and whether every function a loss calls can be
 //! differentiated (E0318). Calls of losses, in pipelines and in other losses, are typed here
-//! too: a loss belongs to the model it is given (E0414 when `train` updates another).
+//! too: a loss belongs to the model it is given (E0415 when `train` updates another).
 
 use std::collections::BTreeMap;
 
@@ -107,7 +107,7 @@ impl Checker<'_> {
         false
     }
 
-    /// E0414: a loss computed with one model's outputs meets another model: the model a
+    /// E0415: a loss computed with one model's outputs meets another model: the model a
     /// `train` updates (`trained`), or another loss added to it.
     pub(crate) fn loss_of_another_model(
         &mut self,
@@ -143,7 +143,7 @@ impl Checker<'_> {
             )
         };
         self.report(
-            err(Code::E0414, msg, other_span, label)
+            err(Code::E0415, msg, other_span, label)
                 .with_label(loss_span, format!("a loss of `{}`", name(loss_model)))
             .with_help("a `train` call updates one model: compute its loss with that model's outputs (pass it as the loss's model), and train the other model with its own loss"),
         );

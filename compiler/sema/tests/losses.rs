@@ -155,7 +155,7 @@ pipeline p(policy: Model, critic: Model, prompts: Dataset) {
     let lp2 = logprobs(policy, r2)
     let v = values(critic, r)
     train(policy, r, loss: both(policy, lp, v))  //~ E0301
-    train(policy, r, loss: pg(policy, lp, v) + entropy_bonus(critic))  //~ E0414
+    train(policy, r, loss: pg(policy, lp, v) + entropy_bonus(critic))  //~ E0415
     train(policy, r2, loss: pg(policy, lp, v))  //~ E0304
     train(policy, r, loss: pg(policy, lp, lp2))  //~ E0304
     train(policy, r, loss: pg(policy, lp, v) / 2.0 - entropy_bonus(policy))
