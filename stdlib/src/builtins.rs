@@ -439,7 +439,11 @@ pub const DATASET_SOURCES: &[Builtin] = &[
     Builtin {
         name: "synthetic::letters",
         place: Place::Pipeline,
-        params: &[d("count", "int", "256"), d("seed", "int", "0")],
+        params: &[
+            d("count", "int", "256"),
+            d("seed", "int", "0"),
+            d("split", "string", "\"all\""),
+        ],
         ret: "Dataset",
         doc: "Generated prompts of a few random lowercase letters, for demos (reward: what the model writes next).",
     },
@@ -450,9 +454,24 @@ pub const DATASET_SOURCES: &[Builtin] = &[
             d("count", "int", "256"),
             d("seed", "int", "0"),
             d("digits", "int", "2"),
+            d("split", "string", "\"all\""),
         ],
         ret: "Dataset",
         doc: "Generated addition problems `a + b =` with their answers, for demos of answer-matching rewards.",
+    },
+    Builtin {
+        name: "synthetic::word_problems",
+        place: Place::Pipeline,
+        params: &[
+            d("count", "int", "256"),
+            d("seed", "int", "0"),
+            d("split", "string", "\"all\""),
+        ],
+        ret: "Dataset",
+        doc: "Generated arithmetic word problems of one or two steps (addition, subtraction, multiplication, sharing), \
+              each asking for `Answer: N`; the answer is the number and the record's `difficulty` field the number of steps. \
+              `split: \"train\"` and `split: \"held_out\"` draw disjoint problems (one in eight is held out, by a hash of its text), \
+              so a run can train on one and evaluate on the other.",
     },
 ];
 
@@ -486,6 +505,38 @@ pub const RUN_SETTINGS: &[OptionSpec] = &[
         "checkpoint_every",
         "int",
         "Write a checkpoint every this many steps (> 0), and always at the end. Default 50.",
+    ),
+    o(
+        "eval",
+        "record",
+        "Evaluation on held-out prompts during the run: `eval: { every: 10, prompts: held_out, n: 1, greedy }`. \
+         Logs `eval/reward_mean` and `eval/accuracy` before the first step, every `every` steps and after the last.",
+    ),
+];
+
+/// Keys of the run's `eval` record.
+pub const EVAL_OPTIONS: &[OptionSpec] = &[
+    o(
+        "every",
+        "int",
+        "Evaluate every this many steps (> 0), and before the first step and after the last.",
+    ),
+    o(
+        "prompts",
+        "Dataset",
+        "The held-out dataset: every record is answered at each evaluation. It must not be (or contain) the training data.",
+    ),
+    o("n", "int", "Samples per prompt (> 0). Default 1."),
+    o("greedy", "bool", "Decode greedily (the usual evaluation)."),
+    o(
+        "temperature",
+        "float",
+        "Sampling temperature (> 0) when not greedy. Default 1.0.",
+    ),
+    o(
+        "max_new_tokens",
+        "int",
+        "Tokens per answer (> 0). Default: the run's `max_new_tokens`.",
     ),
 ];
 

@@ -101,6 +101,7 @@ codes! {
     E0411 => "option-out-of-range", Error, "an option's value is outside its allowed range";
     E0412 => "setting-not-constant", Error, "a run setting or default is not a constant";
     E0413 => "duplicate-block", Error, "a file has more than one `cluster` or `schedule`";
+    E0414 => "invalid-eval", Error, "the run's `eval` is incomplete, contradictory, or evaluates on training prompts";
     E0415 => "loss-of-another-model", Error, "a loss computed with one model's outputs trains another model";
     // Planning.
     E0501 => "pin-matches-nothing", Error, "a schedule pin names no model call of the run";

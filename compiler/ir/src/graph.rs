@@ -20,7 +20,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::kernel::Kernel;
 use crate::loss::{InputKind, Objective};
-pub use crate::settings::{Dtype, Head, LrSchedule, Speculation, SyntheticKind};
+pub use crate::settings::{Dtype, Head, LrSchedule, Speculation, Split, SyntheticKind};
 
 /// A node of a [`TaskGraph`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -934,6 +934,9 @@ pub enum DatasetSource {
         count: i64,
         seed: i64,
         digits: i64,
+        /// Which part of the generated problems (`split:`).
+        #[serde(default)]
+        split: Split,
     },
 }
 
@@ -963,6 +966,20 @@ pub struct Plan {
     pub checkpoint_every: i64,
     /// The run's settings, for the record.
     pub settings: Vec<(String, Const)>,
+    /// Evaluation on held-out prompts during the run (the run's `eval` setting).
+    pub eval: Option<EvalSpec>,
+}
+
+/// Evaluation during a run: every `every` steps (and before the first and after the last),
+/// the trained policy answers every record of `dataset` and the run's reward scores them.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EvalSpec {
+    pub every: i64,
+    /// Index into `Plan::datasets`.
+    pub dataset: u32,
+    /// Samples per prompt and how they are drawn; the tokens default to the run's.
+    pub params: GenParams,
 }
 
 impl Plan {

@@ -206,6 +206,45 @@ pub enum SyntheticKind {
     Letters,
     /// `A + B =` with `digits`-digit operands; the answer is the sum.
     Arithmetic,
+    /// Arithmetic word problems of one or two steps; the answer is the number, the record's
+    /// `difficulty` its number of steps.
+    WordProblems,
+}
+
+/// Which part of a synthetic dataset's problems a source draws: every generated problem
+/// belongs to one part by a hash of its text, so the training and held-out parts of one
+/// generator never share a problem, whatever their seeds and counts.
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum Split {
+    /// Every generated problem.
+    #[default]
+    All,
+    /// The problems not held out (seven in eight).
+    Train,
+    /// The held-out problems (one in eight), for evaluation.
+    HeldOut,
+}
+
+impl Split {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Split::All => "all",
+            Split::Train => "train",
+            Split::HeldOut => "held_out",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Split> {
+        Some(match s {
+            "all" => Split::All,
+            "train" => Split::Train,
+            "held_out" => Split::HeldOut,
+            _ => return None,
+        })
+    }
 }
 
 impl SyntheticKind {
@@ -213,6 +252,7 @@ impl SyntheticKind {
         match self {
             SyntheticKind::Letters => "letters",
             SyntheticKind::Arithmetic => "arithmetic",
+            SyntheticKind::WordProblems => "word_problems",
         }
     }
 
@@ -220,6 +260,7 @@ impl SyntheticKind {
         Some(match s {
             "letters" => SyntheticKind::Letters,
             "arithmetic" => SyntheticKind::Arithmetic,
+            "word_problems" => SyntheticKind::WordProblems,
             _ => return None,
         })
     }
@@ -246,8 +287,15 @@ mod tests {
         for s in [LrSchedule::Constant, LrSchedule::Cosine, LrSchedule::Linear] {
             assert_eq!(LrSchedule::parse(s.as_str()), Some(s));
         }
-        for k in [SyntheticKind::Letters, SyntheticKind::Arithmetic] {
+        for k in [
+            SyntheticKind::Letters,
+            SyntheticKind::Arithmetic,
+            SyntheticKind::WordProblems,
+        ] {
             assert_eq!(SyntheticKind::parse(k.as_str()), Some(k));
+        }
+        for s in [Split::All, Split::Train, Split::HeldOut] {
+            assert_eq!(Split::parse(s.as_str()), Some(s));
         }
         for s in [
             Speculation::Off,

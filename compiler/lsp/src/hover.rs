@@ -279,8 +279,18 @@ pub fn describe_def(program: &Program, def: Def) -> Option<String> {
                 hir::DatasetSource::Jsonl { path } => format!("jsonl(\"{path}\")"),
                 hir::DatasetSource::Parquet { path } => format!("parquet(\"{path}\")"),
                 hir::DatasetSource::Synthetic {
-                    kind, count, seed, ..
-                } => format!("synthetic::{kind}(count: {count}, seed: {seed})"),
+                    kind,
+                    count,
+                    seed,
+                    split,
+                    ..
+                } => match split {
+                    hir::Split::All => format!("synthetic::{kind}(count: {count}, seed: {seed})"),
+                    s => format!(
+                        "synthetic::{kind}(count: {count}, seed: {seed}, split: \"{}\")",
+                        s.as_str()
+                    ),
+                },
             };
             format!(
                 "```braid\ndataset {} = {source}\n```\nprompt field `{}`, answer field `{}`, shuffle: {}",

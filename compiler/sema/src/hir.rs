@@ -385,7 +385,7 @@ pub struct TinyConfig {
 
 // A model's head and dtype and an optimizer's schedule are the plan's own enums: the checker
 // produces them, lowering copies them, and no string stands for them anywhere after parsing.
-pub use braid_ir::settings::{Dtype, Head, LrSchedule, SyntheticKind};
+pub use braid_ir::settings::{Dtype, Head, LrSchedule, Split, SyntheticKind};
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct AdamW {
@@ -425,6 +425,8 @@ pub enum DatasetSource {
         count: i64,
         seed: i64,
         digits: i64,
+        /// Which part of the generated problems (`split:`).
+        split: Split,
     },
 }
 
@@ -461,6 +463,22 @@ pub struct Run {
     pub settings: Vec<(String, Value)>,
     pub seed: i64,
     pub checkpoint_every: i64,
+    /// The `eval` setting: held-out prompts and how often to score them.
+    pub eval: Option<Eval>,
+    pub span: Span,
+}
+
+/// The run's `eval: { every, prompts, n, greedy | temperature, max_new_tokens }`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Eval {
+    pub every: i64,
+    pub prompts: DatasetId,
+    pub n: i64,
+    pub greedy: bool,
+    /// `None`: 1.0 (or greedy).
+    pub temperature: Option<f64>,
+    /// `None`: the run's `max_new_tokens`.
+    pub max_new_tokens: Option<i64>,
     pub span: Span,
 }
 

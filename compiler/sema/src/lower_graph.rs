@@ -136,6 +136,34 @@ pub fn lower_run(program: &Program) -> Result<g::Plan, LowerError> {
     if let Err(e) = cx.graph.verify() {
         return err(format!("internal: the lowered graph is malformed: {e}"));
     }
+    let eval = match &run.eval {
+        None => None,
+        Some(ev) => {
+            // The evaluation samples like the run's (first) generation, with its own n,
+            // temperature or greedy decoding, and answer length where it sets them.
+            let base = cx.graph.node_ids().into_iter().find_map(|id| {
+                match cx.graph.node(id).map(|n| &n.op) {
+                    Some(Op::Generate { params, .. }) => Some(params.clone()),
+                    _ => None,
+                }
+            });
+            let Some(base) = base else {
+                return err("`eval` needs a run whose pipeline generates");
+            };
+            Some(g::EvalSpec {
+                every: ev.every,
+                dataset: cx.dataset(ev.prompts)?,
+                params: GenParams {
+                    n: ev.n,
+                    max_new_tokens: ev.max_new_tokens.unwrap_or(base.max_new_tokens),
+                    temperature: ev.temperature.unwrap_or(1.0),
+                    greedy: ev.greedy,
+                    speculate: None,
+                    ..base
+                },
+            })
+        }
+    };
     Ok(g::Plan {
         pipeline: pipeline.name.clone(),
         graph: cx.graph,
@@ -149,6 +177,7 @@ pub fn lower_run(program: &Program) -> Result<g::Plan, LowerError> {
             .iter()
             .map(|(k, v)| (k.clone(), to_const(v)))
             .collect(),
+        eval,
     })
 }
 
@@ -256,11 +285,13 @@ impl Cx<'_> {
                     count,
                     seed,
                     digits,
+                    split,
                 } => g::DatasetSource::Synthetic {
                     kind: *kind,
                     count: *count,
                     seed: *seed,
                     digits: *digits,
+                    split: *split,
                 },
             },
             prompt_field: d.prompt_field.clone(),

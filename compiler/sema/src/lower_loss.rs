@@ -153,15 +153,19 @@ impl<'p> Lower<'p> {
         };
         Ok(match t {
             LossTree::Call { f, args } => {
+                let params = self.program.fns.get(f.0 as usize).map(|x| &x.params);
                 let mut bound = Vec::new();
-                for a in args {
+                for (i, a) in args.iter().enumerate() {
                     bound.push(match a {
                         LossArg::Node { node, kind } => {
                             let per_token = *kind == InputKind::PerToken;
                             let v = match self.inputs.get(&(*node, per_token)) {
                                 Some(v) => *v,
                                 None => {
-                                    let v = self.b.input(*kind);
+                                    let name = params
+                                        .and_then(|p| p.get(i))
+                                        .map_or("", |p| p.name.as_str());
+                                    let v = self.b.input_named(*kind, name);
                                     self.inputs.insert((*node, per_token), v);
                                     self.nodes.push(*node);
                                     v

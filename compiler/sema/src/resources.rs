@@ -664,17 +664,17 @@ impl Checker<'_> {
                     ds.source = DatasetSource::Parquet { path };
                 }
             }
-            "synthetic::letters" | "synthetic::arithmetic" => {
-                let kind = if src == "synthetic::letters" {
-                    SyntheticKind::Letters
-                } else {
-                    SyntheticKind::Arithmetic
+            "synthetic::letters" | "synthetic::arithmetic" | "synthetic::word_problems" => {
+                let kind = match src.as_str() {
+                    "synthetic::letters" => SyntheticKind::Letters,
+                    "synthetic::arithmetic" => SyntheticKind::Arithmetic,
+                    _ => SyntheticKind::WordProblems,
                 };
-                let allowed: &[&str] = if kind == SyntheticKind::Letters {
-                    &["count", "seed"]
-                } else {
-                    &["count", "seed", "digits"]
+                let allowed: &[&str] = match kind {
+                    SyntheticKind::Arithmetic => &["count", "seed", "digits", "split"],
+                    _ => &["count", "seed", "split"],
                 };
+                let mut split = Split::All;
                 let mut vals: BTreeMap<String, i64> = BTreeMap::new();
                 if let Some(p) = d.source.args.positional.first() {
                     self.report(
@@ -697,6 +697,23 @@ impl Checker<'_> {
                         value: ast::OptionValue::Expr(n.value.clone()),
                         span: n.span,
                     };
+                    if n.name.name == "split" {
+                        if let Some(Value::Str(s)) = self.option_value(&entry, &SigTy::Str) {
+                            match Split::parse(&s) {
+                                Some(v) => split = v,
+                                None => self.report(
+                                    err(
+                                        Code::E0308,
+                                        format!("`split` is \"all\", \"train\" or \"held_out\", not \"{s}\""),
+                                        n.value.span,
+                                        "unknown split",
+                                    )
+                                    .with_help("train on `split: \"train\"` and evaluate on `split: \"held_out\"` of the same generator"),
+                                ),
+                            }
+                        }
+                        continue;
+                    }
                     if let Some(v) = self
                         .option_value(&entry, &SigTy::Int)
                         .and_then(|v| v.as_i64())
@@ -716,6 +733,7 @@ impl Checker<'_> {
                     count: vals.get("count").copied().unwrap_or(256),
                     seed: vals.get("seed").copied().unwrap_or(0),
                     digits: vals.get("digits").copied().unwrap_or(2),
+                    split,
                 };
             }
             other => {

@@ -269,10 +269,34 @@ impl Checker<'_> {
         let mut attempted: BTreeSet<String> = BTreeSet::new();
         let mut seed = 0i64;
         let mut checkpoint_every = 50i64;
+        let mut eval: Option<Eval> = None;
+        let mut eval_span: Option<Span> = None;
         if let Some(opts) = &r.settings {
             for e in &opts.entries {
                 let key = e.key.name.as_str();
                 attempted.insert(key.to_string());
+                if key == "eval" && !pl.settings.iter().any(|s| s.name == key) {
+                    if let Some(first) = eval_span {
+                        self.report(
+                            err(
+                                Code::E0209,
+                                "setting `eval` is given twice",
+                                e.key.span,
+                                "given again",
+                            )
+                            .with_label(first, "first given here")
+                            .with_help("give each setting once"),
+                        );
+                        ok = false;
+                        continue;
+                    }
+                    eval_span = Some(e.key.span);
+                    match self.eval_setting(e, &args) {
+                        Some(v) => eval = Some(v),
+                        None => ok = false,
+                    }
+                    continue;
+                }
                 let setting = pl.settings.iter().find(|s| s.name == key);
                 let run_level = braid_stdlib::RUN_SETTINGS.iter().find(|s| s.key == key);
                 let ty = match (setting, run_level) {
@@ -432,7 +456,182 @@ impl Checker<'_> {
             settings,
             seed,
             checkpoint_every,
+            eval,
             span: r.span,
+        })
+    }
+
+    /// The run's `eval` record. `train` are the run's arguments, whose datasets the held-out
+    /// prompts must be kept apart from.
+    fn eval_setting(&mut self, e: &ast::OptionEntry, train: &[RunArg]) -> Option<Eval> {
+        let invalid = |msg: String, span: Span, label: &str, help: &str| {
+            err(Code::E0414, msg, span, label.to_string()).with_help(help.to_string())
+        };
+        let ast::OptionValue::Record(rec) = &e.value else {
+            self.report(invalid(
+                "`eval` takes a record".into(),
+                e.span,
+                "not a record",
+                "write `eval: { every: 10, prompts: held_out, n: 1, greedy }`",
+            ));
+            return None;
+        };
+        let map = self.option_map("`eval`", Some(rec), braid_stdlib::EVAL_OPTIONS);
+        let mut ok = true;
+        let int = |cx: &mut Self, key: &str, ok: &mut bool| -> Option<i64> {
+            let entry = map.entries.get(key)?;
+            let v = cx.option_value(entry, &SigTy::Int)?.as_i64()?;
+            if v <= 0 {
+                cx.range(entry, v as f64, false, "> 0");
+                *ok = false;
+                return None;
+            }
+            Some(v)
+        };
+        let every = int(self, "every", &mut ok);
+        let n = int(self, "n", &mut ok).unwrap_or(1);
+        let max_new_tokens = int(self, "max_new_tokens", &mut ok);
+        let greedy = match map.entries.get("greedy") {
+            Some(g) => self
+                .option_value(g, &SigTy::Bool)
+                .is_some_and(|v| v == Value::Bool(true)),
+            None => false,
+        };
+        let mut temperature = None;
+        if let Some(t) = map.entries.get("temperature")
+            && let Some(v) = self.option_value(t, &SigTy::Float)
+        {
+            let x = v.as_f64().unwrap_or(0.0);
+            if x <= 0.0 {
+                self.range(t, x, false, "> 0");
+                ok = false;
+            } else if greedy {
+                self.report(
+                    invalid(
+                        "`eval` is both `greedy` and sampled at a `temperature`".into(),
+                        t.span,
+                        "a temperature",
+                        "keep one: `greedy` decodes the most likely answer, `temperature` samples",
+                    )
+                    .with_label(map.entries["greedy"].span, "greedy here"),
+                );
+                ok = false;
+            } else {
+                temperature = Some(x);
+            }
+        }
+        let Some(every) = every else {
+            if !map.entries.contains_key("every") {
+                self.report(invalid(
+                    "`eval` needs `every`".into(),
+                    rec.span,
+                    "no `every`",
+                    "say how often to evaluate: `eval: { every: 10, prompts: held_out }`",
+                ));
+            }
+            return None;
+        };
+        let Some(pe) = map.entries.get("prompts") else {
+            self.report(invalid(
+                "`eval` needs `prompts`".into(),
+                rec.span,
+                "no `prompts`",
+                "name a held-out dataset: `eval: { every: 10, prompts: held_out }`",
+            ));
+            return None;
+        };
+        let named = match &pe.value {
+            ast::OptionValue::Expr(x) => match &x.kind {
+                ast::ExprKind::Path(path) => path.as_single().cloned(),
+                _ => None,
+            },
+            _ => None,
+        };
+        let global = named
+            .as_ref()
+            .and_then(|id| self.scopes[0].get(&id.name).copied());
+        let dataset = match (&named, global) {
+            (Some(id), Some(g)) if matches!(g.def, Def::Dataset(_)) => {
+                self.program.references.push(Reference {
+                    span: id.span,
+                    def: g.def,
+                    def_span: g.span,
+                });
+                match g.def {
+                    Def::Dataset(d) => d,
+                    _ => return None,
+                }
+            }
+            _ => {
+                self.report(invalid(
+                    "`prompts` of `eval` must name a dataset".into(),
+                    pe.span,
+                    "not a dataset",
+                    "declare the held-out prompts (`dataset held_out = …`) and name them here",
+                ));
+                return None;
+            }
+        };
+        let eval_ds = self.program.datasets[dataset.0 as usize].clone();
+        for a in train {
+            let RunArg::Dataset(t) = a else { continue };
+            let td = &self.program.datasets[t.0 as usize];
+            let shared = if *t == dataset {
+                Some(format!("`{}` is the run's training data", td.name))
+            } else {
+                match (&td.source, &eval_ds.source) {
+                    (DatasetSource::Jsonl { path: a }, DatasetSource::Jsonl { path: b })
+                    | (DatasetSource::Parquet { path: a }, DatasetSource::Parquet { path: b })
+                        if a == b =>
+                    {
+                        Some(format!(
+                            "`{}` reads the same file as `{}`",
+                            eval_ds.name, td.name
+                        ))
+                    }
+                    (
+                        DatasetSource::Synthetic {
+                            kind: k1,
+                            split: s1,
+                            ..
+                        },
+                        DatasetSource::Synthetic {
+                            kind: k2,
+                            split: s2,
+                            ..
+                        },
+                    ) if k1 == k2 && (*s1 == Split::All || *s1 == *s2) => Some(format!(
+                        "`{}` (split \"{}\") draws from the problems `{}` (split \"{}\") trains on",
+                        eval_ds.name,
+                        s2.as_str(),
+                        td.name,
+                        s1.as_str()
+                    )),
+                    _ => None,
+                }
+            };
+            if let Some(why) = shared {
+                self.report(
+                    invalid(
+                        "`eval` would score prompts the policy trains on".into(),
+                        pe.span,
+                        "not held out",
+                        "evaluate on data kept apart from training: for a synthetic generator, train on `split: \"train\"` and evaluate on `split: \"held_out\"`",
+                    )
+                    .with_label(td.span, "the training data")
+                    .with_note(why),
+                );
+                return None;
+            }
+        }
+        ok.then_some(Eval {
+            every,
+            prompts: dataset,
+            n,
+            greedy,
+            temperature,
+            max_new_tokens,
+            span: e.span,
         })
     }
 

@@ -3,18 +3,21 @@
 //! order fixed by the dataset's seed (shuffled per epoch when asked), so the draw at any cursor
 //! position can be recomputed — a resumed run only needs the cursor.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use braid_ir::graph::{DatasetSource, DatasetSpec, SyntheticKind};
+use braid_ir::graph::{DatasetSource, DatasetSpec, Split, SyntheticKind};
 
 use crate::error::{Error, Result};
 use crate::rng::Rng;
 
-/// One prompt and its reference answer (empty when the data has none).
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// One prompt and its reference answer (empty when the data has none), with the record's
+/// other fields (`s.field("name")` in a reward).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Record {
     pub prompt: String,
     pub answer: String,
+    pub extra: BTreeMap<String, serde_json::Value>,
 }
 
 /// A loaded dataset.
@@ -45,7 +48,8 @@ impl Dataset {
                 count,
                 seed,
                 digits,
-            } => synthetic(*kind, *count, *seed, *digits)?,
+                split,
+            } => synthetic(*kind, *count, *seed, *digits, *split)?,
         };
         if records.is_empty() {
             return Err(Error::invalid(
@@ -177,7 +181,11 @@ pub fn read_jsonl(path: &Path, prompt_field: &str, answer_field: &str) -> Result
                 )));
             }
         };
-        out.push(Record { prompt, answer });
+        out.push(Record {
+            prompt,
+            answer,
+            ..Record::default()
+        });
     }
     if out.is_empty() {
         return Err(Error::file(path, "has no records"));
@@ -242,7 +250,11 @@ pub fn read_parquet(path: &Path, prompt_field: &str, answer_field: &str) -> Resu
         if prompt.is_empty() {
             return Err(at(format!("column `{prompt_field}` is empty")));
         }
-        out.push(Record { prompt, answer });
+        out.push(Record {
+            prompt,
+            answer,
+            ..Record::default()
+        });
     }
     if out.is_empty() {
         return Err(Error::file(path, "has no rows"));
@@ -250,55 +262,190 @@ pub fn read_parquet(path: &Path, prompt_field: &str, answer_field: &str) -> Resu
     Ok(out)
 }
 
-/// The synthetic sources: `letters` (a few random lowercase letters followed by a space) and
-/// `arithmetic` (`a + b =` with `digits`-digit operands and the sum as the answer).
-pub fn synthetic(kind: SyntheticKind, count: i64, seed: i64, digits: i64) -> Result<Vec<Record>> {
+/// The synthetic sources: `letters` (a few random lowercase letters followed by a space),
+/// `arithmetic` (`a + b =` with `digits`-digit operands and the sum as the answer) and
+/// `word_problems` (one- and two-step arithmetic stories asking for `Answer: N`). `split`
+/// keeps the part of the generated problems whose text hashes into it (`held_out`: one in
+/// eight), drawing until `count` are kept, so a training and a held-out source of the same
+/// generator never share a problem.
+pub fn synthetic(
+    kind: SyntheticKind,
+    count: i64,
+    seed: i64,
+    digits: i64,
+    split: Split,
+) -> Result<Vec<Record>> {
+    let name = format!("synthetic::{kind}");
     if count <= 0 {
         return Err(Error::invalid(
-            format!("synthetic::{kind}"),
+            name,
             format!("`count` must be positive, found {count}"),
+        ));
+    }
+    if kind == SyntheticKind::Arithmetic && !(1..=9).contains(&digits) {
+        return Err(Error::invalid(
+            name,
+            format!("`digits` must be between 1 and 9, found {digits}"),
         ));
     }
     let mut rng = Rng::new(seed as u64 ^ 0x5EED_DA7A);
     let mut out = Vec::with_capacity(count as usize);
-    match kind {
-        SyntheticKind::Letters => {
-            for _ in 0..count {
+    // Every draw has a one-in-eight chance of being held out, so a split needs about eight
+    // (held out) or 8/7 (train) draws per record; the bound only stops a generator whose
+    // space is too small for `count` distinct draws into the part asked for.
+    let max_draws = (count as u64).saturating_mul(64).max(4096);
+    let mut draws = 0u64;
+    while (out.len() as i64) < count {
+        if draws == max_draws {
+            return Err(Error::invalid(
+                name,
+                format!(
+                    "generated only {} of {count} problems of split `{}` in {max_draws} draws",
+                    out.len(),
+                    split.as_str()
+                ),
+            ));
+        }
+        draws += 1;
+        let r = match kind {
+            SyntheticKind::Letters => {
                 let len = 3 + (rng.next_u64() % 4) as usize;
                 let mut s: String = (0..len)
                     .map(|_| (b'a' + (rng.next_u64() % 26) as u8) as char)
                     .collect();
                 s.push(' ');
-                out.push(Record {
+                Record {
                     prompt: s,
-                    answer: String::new(),
-                });
+                    ..Record::default()
+                }
             }
-        }
-        SyntheticKind::Arithmetic => {
-            if !(1..=9).contains(&digits) {
-                return Err(Error::invalid(
-                    "synthetic::arithmetic",
-                    format!("`digits` must be between 1 and 9, found {digits}"),
-                ));
-            }
-            let hi = 10u64.pow(digits as u32);
-            for _ in 0..count {
+            SyntheticKind::Arithmetic => {
+                let hi = 10u64.pow(digits as u32);
                 let a = rng.next_u64() % hi;
                 let b = rng.next_u64() % hi;
-                out.push(Record {
+                Record {
                     prompt: format!("{a} + {b} ="),
                     answer: (a + b).to_string(),
-                });
+                    ..Record::default()
+                }
             }
+            SyntheticKind::WordProblems => word_problem(&mut rng),
+        };
+        if in_split(&r.prompt, split) {
+            out.push(r);
         }
     }
     Ok(out)
 }
 
+/// Whether a problem with this text belongs to `split` (FNV-1a of the text, one in eight
+/// held out).
+fn in_split(text: &str, split: Split) -> bool {
+    let h = text.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
+    });
+    let held_out = h % 8 == 0;
+    match split {
+        Split::All => true,
+        Split::Train => !held_out,
+        Split::HeldOut => held_out,
+    }
+}
+
+const NAMES: &[&str] = &[
+    "Ava", "Ben", "Chloe", "Dan", "Ella", "Finn", "Grace", "Hugo", "Iris", "Jack", "Lena", "Max",
+    "Nora", "Omar", "Pia", "Sam",
+];
+const ITEMS: &[&str] = &[
+    "apples", "books", "marbles", "stickers", "pencils", "cookies", "shells", "stamps",
+];
+
+/// One word problem: a story of one or two arithmetic steps, its answer and its difficulty
+/// (the number of steps). Numbers stay small enough for a small model's arithmetic.
+fn word_problem(rng: &mut Rng) -> Record {
+    let pick =
+        |rng: &mut Rng, list: &[&'static str]| list[(rng.next_u64() % list.len() as u64) as usize];
+    let num = |rng: &mut Rng, lo: u64, hi: u64| lo + rng.next_u64() % (hi - lo + 1);
+    let name = pick(rng, NAMES);
+    let item = pick(rng, ITEMS);
+    let (story, answer, steps) = match rng.next_u64() % 6 {
+        0 => {
+            let (a, b) = (num(rng, 2, 40), num(rng, 2, 40));
+            (
+                format!(
+                    "{name} has {a} {item}. {name} gets {b} more. How many {item} does {name} have now?"
+                ),
+                a + b,
+                1,
+            )
+        }
+        1 => {
+            let a = num(rng, 10, 60);
+            let b = num(rng, 1, a - 1);
+            (
+                format!(
+                    "{name} has {a} {item} and gives {b} of them away. How many {item} are left?"
+                ),
+                a - b,
+                1,
+            )
+        }
+        2 => {
+            let (a, b) = (num(rng, 2, 9), num(rng, 2, 9));
+            (
+                format!(
+                    "{name} fills {a} boxes with {b} {item} each. How many {item} is that in all?"
+                ),
+                a * b,
+                1,
+            )
+        }
+        3 => {
+            let (k, q) = (num(rng, 2, 6), num(rng, 2, 9));
+            (
+                format!(
+                    "{name} shares {} {item} equally among {k} friends. How many {item} does each friend get?",
+                    k * q
+                ),
+                q,
+                1,
+            )
+        }
+        4 => {
+            let (a, b) = (num(rng, 5, 30), num(rng, 2, 20));
+            let c = num(rng, 1, a + b - 1);
+            (
+                format!(
+                    "{name} has {a} {item}, buys {b} more and then loses {c}. How many {item} does {name} have now?"
+                ),
+                a + b - c,
+                2,
+            )
+        }
+        _ => {
+            let (a, b, c) = (num(rng, 2, 6), num(rng, 2, 9), num(rng, 1, 15));
+            (
+                format!(
+                    "{name} buys {a} bags with {b} {item} in each and already had {c}. How many {item} does {name} have?"
+                ),
+                a * b + c,
+                2,
+            )
+        }
+    };
+    let mut extra = BTreeMap::new();
+    extra.insert("difficulty".to_string(), serde_json::json!(steps));
+    Record {
+        prompt: format!("{story} Reply with the number after \"Answer:\"."),
+        answer: answer.to_string(),
+        extra,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::collections::BTreeSet;
 
     fn spec(source: DatasetSource, shuffle: bool, epochs: Option<i64>) -> DatasetSpec {
         DatasetSpec {
@@ -322,6 +469,7 @@ mod tests {
                     count: 10,
                     seed: 1,
                     digits: 2,
+                    split: Split::All,
                 },
                 true,
                 None,
@@ -349,6 +497,39 @@ mod tests {
     }
 
     #[test]
+    fn train_and_held_out_word_problems_are_disjoint_and_answered() {
+        let train = synthetic(SyntheticKind::WordProblems, 400, 7, 2, Split::Train).unwrap();
+        let held = synthetic(SyntheticKind::WordProblems, 50, 7, 2, Split::HeldOut).unwrap();
+        let other_seed = synthetic(SyntheticKind::WordProblems, 50, 8, 2, Split::HeldOut).unwrap();
+        assert_eq!((train.len(), held.len()), (400, 50));
+        let train_prompts: BTreeSet<&str> = train.iter().map(|r| r.prompt.as_str()).collect();
+        for r in held.iter().chain(&other_seed) {
+            assert!(!train_prompts.contains(r.prompt.as_str()), "{}", r.prompt);
+            assert!(r.answer.parse::<u64>().is_ok(), "{}", r.answer);
+            let d = r.extra.get("difficulty").and_then(|v| v.as_i64());
+            assert!(matches!(d, Some(1 | 2)), "{:?}", r.extra);
+        }
+        // Deterministic from the seed; the whole generator is the union of its splits.
+        assert_eq!(
+            held,
+            synthetic(SyntheticKind::WordProblems, 50, 7, 2, Split::HeldOut).unwrap()
+        );
+        let all = synthetic(SyntheticKind::WordProblems, 64, 7, 2, Split::All).unwrap();
+        assert!(all.iter().any(|r| in_split(&r.prompt, Split::HeldOut)));
+        // A two-step story's answer is its arithmetic.
+        let r = train
+            .iter()
+            .find(|r| r.prompt.contains("and then loses"))
+            .unwrap();
+        let n: Vec<i64> = r
+            .prompt
+            .split(|c: char| !c.is_ascii_digit())
+            .filter_map(|w| w.parse().ok())
+            .collect();
+        assert_eq!(n[0] + n[1] - n[2], r.answer.parse::<i64>().unwrap());
+    }
+
+    #[test]
     fn epoch_limit_is_an_error() {
         let d = Dataset::load(
             &spec(
@@ -357,6 +538,7 @@ mod tests {
                     count: 4,
                     seed: 0,
                     digits: 2,
+                    split: Split::All,
                 },
                 false,
                 Some(2),
@@ -426,11 +608,13 @@ mod tests {
             vec![
                 Record {
                     prompt: "1 + 2 =".into(),
-                    answer: "3".into()
+                    answer: "3".into(),
+                    ..Record::default()
                 },
                 Record {
                     prompt: "3 + 4 =".into(),
-                    answer: String::new()
+                    answer: String::new(),
+                    ..Record::default()
                 }
             ]
         );
@@ -472,7 +656,8 @@ mod tests {
             r,
             vec![Record {
                 prompt: "hi".into(),
-                answer: "3".into()
+                answer: "3".into(),
+                ..Record::default()
             }]
         );
         let _ = std::fs::remove_dir_all(&dir);

@@ -48,6 +48,7 @@ use crate::training::optim::AdamW;
 
 mod compute;
 pub mod data;
+mod eval;
 mod record;
 mod setup;
 mod stream;
@@ -84,14 +85,22 @@ pub struct RunOptions {
 pub enum Event<'a> {
     /// The run starts (or resumes) at `first_step` of `total`.
     Start { first_step: i64, total: i64 },
-    /// Step `step` (1-based) finished with these metrics.
+    /// Step `step` (1-based) finished with these metrics; `samples` are the generations it
+    /// wrote to `samples.jsonl`.
     Step {
         step: i64,
         total: i64,
         metrics: &'a BTreeMap<String, f64>,
+        samples: &'a [serde_json::Value],
     },
     /// A checkpoint of step `step` was written.
     Checkpoint { step: i64, dir: &'a Path },
+    /// The held-out prompts were evaluated after `step` steps (0: before training); `metrics`
+    /// holds the `eval/…` values (with the step's, when it follows a step).
+    Eval {
+        step: i64,
+        metrics: &'a BTreeMap<String, f64>,
+    },
 }
 
 /// A model of the run.
@@ -125,7 +134,13 @@ pub struct Executor<'p> {
     reused: BTreeSet<NodeId>,
     total_steps: i64,
     first_step: i64,
+    /// The generations of the last step to record in `samples.jsonl`.
+    last_samples: Vec<serde_json::Value>,
 }
+
+/// Generations per step written to `samples.jsonl`: the first sample of each of this many
+/// prompts, enough to read what the policy does without the file growing with the batch.
+const SAMPLES_PER_STEP: usize = 4;
 
 impl<'p> Executor<'p> {
     /// One iteration of the graph.
@@ -271,6 +286,7 @@ impl<'p> Executor<'p> {
             m.insert("reward_mean".into(), mean);
             m.insert("reward_std".into(), std);
         }
+        self.last_samples = self.sample_lines(step, &vals);
         if let Some(kl) = self.kl_metric(&vals) {
             m.insert("kl".into(), kl);
         }

@@ -4,6 +4,27 @@
 use super::*;
 
 impl<'p> Executor<'p> {
+    /// Loads the trained models' weights of checkpoint `dir` (a `step-N` directory), without
+    /// its optimizer state or data cursors: what `braid run --eval-only` evaluates.
+    pub fn load_trained(&mut self, dir: &Path) -> Result<()> {
+        for slot in self.slots.iter_mut() {
+            if slot.opt.is_none() {
+                continue;
+            }
+            let mdir = dir.join("models").join(&slot.spec.name);
+            let loaded = Model::load(
+                &mdir,
+                &LoadOptions {
+                    head: slot.model.head(),
+                    dtype: Some(slot.model.kind()),
+                    device: self.options.device,
+                },
+            )?;
+            copy_weights(&mut slot.model, &loaded)?;
+        }
+        Ok(())
+    }
+
     pub(super) fn restore(&mut self) -> Result<()> {
         let Some((step, dir)) = checkpoint::latest(&self.options.run_dir)? else {
             return Ok(());
@@ -51,6 +72,8 @@ impl<'p> Executor<'p> {
             .map_err(|e| Error::file(&self.options.run_dir, format!("cannot create: {e}")))?;
         let metrics_path = self.options.run_dir.join("metrics.jsonl");
         checkpoint::truncate_metrics(&metrics_path, self.first_step)?;
+        let samples_path = self.options.run_dir.join("samples.jsonl");
+        checkpoint::truncate_metrics(&samples_path, self.first_step)?;
         checkpoint::write_atomic(
             &self.options.run_dir.join("plan.txt"),
             format!("{}\n{}", self.plan.graph_text(), self.plan.losses_text()).as_bytes(),
@@ -72,29 +95,38 @@ impl<'p> Executor<'p> {
         let mut tb = crate::exec::tensorboard::EventWriter::create(
             &self.options.run_dir.join("tensorboard"),
         )?;
+        if self.first_step == 0 && self.evaluates_at(0) {
+            // The policy before training: a line of its own, step 0.
+            let metrics = self.evaluate()?;
+            write_metrics(&metrics_path, &mut tb, 0, &metrics)?;
+            on_event(Event::Eval {
+                step: 0,
+                metrics: &metrics,
+            });
+        }
         for step in self.first_step..self.total_steps {
-            let (metrics, lengths) = self.step(step)?;
-            lengths_seen.extend(lengths);
-            let mut line = serde_json::Map::new();
-            line.insert("step".into(), serde_json::json!(step + 1));
-            for (k, v) in &metrics {
-                line.insert(
-                    k.clone(),
-                    if v.is_finite() {
-                        serde_json::json!(v)
-                    } else {
-                        serde_json::Value::Null
-                    },
-                );
+            let (mut metrics, lengths) = self.step(step)?;
+            let evaluated = self.evaluates_at(step + 1);
+            if evaluated {
+                metrics.extend(self.evaluate()?);
             }
-            checkpoint::append_line(&metrics_path, &serde_json::Value::Object(line).to_string())?;
-            let scalars: Vec<(&str, f64)> = metrics.iter().map(|(k, v)| (k.as_str(), *v)).collect();
-            tb.scalars(step + 1, &scalars)?;
+            lengths_seen.extend(lengths);
+            write_metrics(&metrics_path, &mut tb, step + 1, &metrics)?;
+            for line in &self.last_samples {
+                checkpoint::append_line(&samples_path, &line.to_string())?;
+            }
             on_event(Event::Step {
                 step: step + 1,
                 total: self.total_steps,
                 metrics: &metrics,
+                samples: &self.last_samples,
             });
+            if evaluated {
+                on_event(Event::Eval {
+                    step: step + 1,
+                    metrics: &metrics,
+                });
+            }
             let done = step + 1;
             if (every > 0 && done % every == 0) || done == self.total_steps {
                 let dir = self.checkpoint(done)?;
@@ -150,6 +182,75 @@ impl<'p> Executor<'p> {
             .collect())
     }
 
+    /// `samples.jsonl` lines of step `step` (0-based): prompt, completion, answer, reward and
+    /// advantage of the first sample of the first `SAMPLES_PER_STEP` prompts of the rollout
+    /// the policy learns from. The advantage is the loss's argument bound to a parameter `adv`
+    /// (a per-token advantage, as PPO's, is given as its mean over the sample's tokens).
+    pub(super) fn sample_lines(
+        &self,
+        step: i64,
+        vals: &BTreeMap<NodeId, Val>,
+    ) -> Vec<serde_json::Value> {
+        let Some(r) = self.main_rollout else {
+            return Vec::new();
+        };
+        let Some(Val::Rollout(rollout)) = vals.get(&r) else {
+            return Vec::new();
+        };
+        let reward = match self.reward_node.and_then(|n| vals.get(&n)) {
+            Some(Val::PerSample(v)) => Some(v.as_slice()),
+            _ => None,
+        };
+        // The advantage: the argument of a loss on this rollout bound to a parameter `adv`
+        // (what the standard losses call it).
+        let mut adv: Option<&Val> = None;
+        for id in self.plan.graph.node_ids() {
+            let Some(Op::Loss { objective }) = self.plan.graph.node(id).map(|n| &n.op) else {
+                continue;
+            };
+            let inputs = self.plan.graph.inputs(id);
+            if inputs.first() == Some(&r)
+                && let Some(k) = objective.input_named("adv")
+                && let Some(v) = inputs.get(k + 1).and_then(|n| vals.get(n))
+            {
+                adv = Some(v);
+                break;
+            }
+        }
+        let mut out = Vec::new();
+        let mut seen = BTreeSet::new();
+        for (i, s) in rollout.samples.iter().enumerate() {
+            if seen.len() == SAMPLES_PER_STEP {
+                break;
+            }
+            if !seen.insert(s.prompt_index) {
+                continue;
+            }
+            let record = rollout.records.get(s.prompt_index);
+            let advantage = match adv {
+                Some(Val::PerSample(v)) => v.get(i).copied(),
+                Some(Val::PerToken(t)) if i + 1 < t.offsets.len() => {
+                    let row = t.row(i);
+                    Some(row.iter().sum::<f64>() / row.len().max(1) as f64)
+                }
+                _ => None,
+            };
+            let num = |x: Option<f64>| match x {
+                Some(v) if v.is_finite() => serde_json::json!(v),
+                _ => serde_json::Value::Null,
+            };
+            out.push(serde_json::json!({
+                "step": step + 1,
+                "prompt": record.map(|r| r.prompt.as_str()).unwrap_or(""),
+                "completion": s.text,
+                "answer": record.map(|r| r.answer.as_str()).unwrap_or(""),
+                "reward": num(reward.and_then(|r| r.get(i).copied())),
+                "advantage": num(advantage),
+            }));
+        }
+        out
+    }
+
     /// The mean over samples of Σ_t (logp − ref_logp), when the trained rollout has the
     /// log-probabilities of a trained model and of a frozen one.
     pub(super) fn kl_metric(&self, vals: &BTreeMap<NodeId, Val>) -> Option<f64> {
@@ -179,6 +280,31 @@ impl<'p> Executor<'p> {
         let total: f64 = a.values.iter().zip(&b.values).map(|(x, y)| x - y).sum();
         Some(total / n as f64)
     }
+}
+
+/// Appends one step's line to `metrics.jsonl` (non-finite values as `null`) and its scalars
+/// to TensorBoard.
+fn write_metrics(
+    path: &Path,
+    tb: &mut crate::exec::tensorboard::EventWriter,
+    step: i64,
+    metrics: &BTreeMap<String, f64>,
+) -> Result<()> {
+    let mut line = serde_json::Map::new();
+    line.insert("step".into(), serde_json::json!(step));
+    for (k, v) in metrics {
+        line.insert(
+            k.clone(),
+            if v.is_finite() {
+                serde_json::json!(v)
+            } else {
+                serde_json::Value::Null
+            },
+        );
+    }
+    checkpoint::append_line(path, &serde_json::Value::Object(line).to_string())?;
+    let scalars: Vec<(&str, f64)> = metrics.iter().map(|(k, v)| (k.as_str(), *v)).collect();
+    tb.scalars(step, &scalars)
 }
 
 pub(super) fn mean_std(x: &[f64]) -> (f64, f64) {

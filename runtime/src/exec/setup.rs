@@ -131,6 +131,7 @@ impl<'p> Executor<'p> {
             reused,
             total_steps,
             first_step: 0,
+            last_samples: Vec::new(),
         };
         for model in needs_replica {
             let i = model as usize;

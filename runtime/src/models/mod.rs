@@ -6,6 +6,8 @@
 
 pub mod cache;
 pub mod config;
+pub mod dequant;
+pub mod gguf;
 pub mod model;
 pub mod save;
 pub mod tiny;

@@ -22,6 +22,7 @@ use crate::kernels::gemm;
 use crate::kernels::step;
 use crate::models::cache::KvCache;
 use crate::models::config::{Activation, Arch, ModelConfig, RopeScaling};
+use crate::models::gguf::{GgufFile, is_gguf};
 use crate::models::weights::WeightFiles;
 use crate::rng::Rng;
 
@@ -206,6 +207,8 @@ impl Builder {
 pub(crate) enum Weights<'a> {
     /// A checkpoint.
     Files(&'a WeightFiles),
+    /// A GGUF file (dequantised tensor by tensor).
+    Gguf(&'a GgufFile),
     /// Random initialisation from a seed (tiny models, new heads).
     Random(u64),
 }
@@ -309,8 +312,25 @@ fn build_mask(
 }
 
 impl Model {
-    /// Loads a Hugging Face model directory (`config.json` and safetensors weights).
+    /// Loads a Hugging Face model directory (`config.json` and safetensors weights) or a GGUF
+    /// file (configuration from its metadata, tensors dequantised; see `models::gguf`).
     pub fn load(dir: &Path, options: &LoadOptions) -> Result<Model> {
+        if is_gguf(dir) {
+            let file = GgufFile::open(dir)?;
+            let config = file.config()?;
+            let kind = options.dtype.unwrap_or(match options.device {
+                Device::Cpu => Kind::Float,
+                _ => Kind::BFloat16,
+            });
+            return Model::build(
+                config,
+                options.head,
+                kind,
+                options.device,
+                Weights::Gguf(&file),
+                dir.to_path_buf(),
+            );
+        }
         if !dir.is_dir() {
             return Err(Error::file(
                 dir,
@@ -467,7 +487,7 @@ impl Model {
             ),
         };
         let params = std::mem::take(&mut b.params);
-        fill(&params, &weights)?;
+        fill(&params, &weights, c)?;
         Ok(Model {
             vs: b.vs,
             config,
@@ -1011,8 +1031,25 @@ impl Model {
 }
 
 /// Fills parameters from a checkpoint or a seeded generator.
-fn fill(params: &[(String, Tensor, Init)], weights: &Weights<'_>) -> Result<()> {
+fn fill(
+    params: &[(String, Tensor, Init)],
+    weights: &Weights<'_>,
+    config: &ModelConfig,
+) -> Result<()> {
     match weights {
+        Weights::Gguf(file) => {
+            let mut new_heads = Vec::new();
+            for (name, t, init) in params {
+                if name == "score.weight" && !file.contains(name, config) {
+                    // GGUF files hold language models: a value or score head starts new.
+                    new_heads.push((name.clone(), t.shallow_clone(), *init));
+                    continue;
+                }
+                let mut dst = t.shallow_clone();
+                file.copy_into(name, config, &mut dst)?;
+            }
+            fill_random(&new_heads, 0)
+        }
         Weights::Files(files) => {
             // Checkpoints of base models (LlamaModel, GPT2Model) have no `model.` /
             // `transformer.` prefix; accept both spellings.

@@ -107,6 +107,9 @@ pub fn save_pretrained(model: &Model, tokenizer: &Tokenizer, dir: &Path) -> Resu
             &dir.join("tokenizer_config.json"),
             &byte_level_tokenizer_config(),
         )?;
+    } else if let Some((json, config)) = tokenizer.generated_files() {
+        write_json(&dir.join("tokenizer.json"), json)?;
+        write_json(&dir.join("tokenizer_config.json"), config)?;
     } else {
         for src in tokenizer.files() {
             let Some(name) = src.file_name() else {

@@ -14,6 +14,7 @@ use serde_json::{Value, json};
 
 use crate::error::{Error, Result};
 use crate::models::config::{ModelConfig, token_ids_field};
+use crate::models::gguf::{GgufFile, is_gguf};
 
 /// Id of `<|bos|>` in the byte tokenizer.
 pub const BYTE_BOS: i64 = 256;
@@ -58,6 +59,10 @@ pub struct Tokenizer {
     eos_text: String,
     /// The files it was read from, copied verbatim when a model is saved.
     files: Vec<PathBuf>,
+    /// `tokenizer.json` and `tokenizer_config.json` built from a GGUF file's metadata.
+    generated: Option<Box<(Value, Value)>>,
+    /// Where it came from, for messages (`tiny` for the byte tokenizer).
+    source: PathBuf,
 }
 
 fn read_json(path: &Path) -> Result<Option<Value>> {
@@ -94,13 +99,19 @@ impl Tokenizer {
             bos_text: "<|bos|>".into(),
             eos_text: "<|eos|>".into(),
             files: Vec::new(),
+            generated: None,
+            source: PathBuf::from("tiny"),
         }
     }
 
     /// Reads `tokenizer.json` (and `tokenizer_config.json`, `generation_config.json`,
-    /// `chat_template.jinja` where present) from a model directory, and checks that every
-    /// token id fits the model's embedding.
+    /// `chat_template.jinja` where present) from a model directory, or the tokenizer and chat
+    /// template in the metadata of a GGUF file, and checks that every token id fits the model's
+    /// embedding.
     pub fn from_dir(dir: &Path, config: &ModelConfig) -> Result<Tokenizer> {
+        if is_gguf(dir) {
+            return Tokenizer::from_gguf(&GgufFile::open(dir)?, config);
+        }
         let path = dir.join("tokenizer.json");
         if !path.exists() {
             return Err(Error::file(
@@ -110,6 +121,60 @@ impl Tokenizer {
         }
         let tok = tokenizers::Tokenizer::from_file(&path)
             .map_err(|e| Error::file(&path, format!("cannot load tokenizer: {e}")))?;
+        let mut files = vec![path.clone()];
+        let tc_path = dir.join("tokenizer_config.json");
+        let tc = read_json(&tc_path)?;
+        if tc.is_some() {
+            files.push(tc_path.clone());
+        }
+        let jinja = dir.join("chat_template.jinja");
+        let mut jinja_template = None;
+        if jinja.exists() {
+            jinja_template = Some(
+                std::fs::read_to_string(&jinja)
+                    .map_err(|e| Error::file(&jinja, format!("cannot read: {e}")))?,
+            );
+        }
+        let mut eos: Vec<i64> = Vec::new();
+        let gc_path = dir.join("generation_config.json");
+        if let Some(gc) = read_json(&gc_path)? {
+            eos.extend(token_ids_field(&gc_path, &gc, "eos_token_id")?);
+        }
+        let mut t = Tokenizer::assemble(tok, &path, tc.as_ref(), eos, config)?;
+        if t.chat_template.is_none() && jinja_template.is_some() {
+            t.chat_template = jinja_template;
+            files.push(jinja);
+        }
+        t.files = files;
+        Ok(t)
+    }
+
+    /// The tokenizer of a GGUF file: the `tokenizer.json` and `tokenizer_config.json` that
+    /// `GgufFile::tokenizer_files` builds from its metadata (written out when the model is
+    /// saved).
+    pub fn from_gguf(file: &GgufFile, config: &ModelConfig) -> Result<Tokenizer> {
+        let (json, tc) = file.tokenizer_files()?;
+        let tok = tokenizers::Tokenizer::from_bytes(json.to_string().as_bytes()).map_err(|e| {
+            Error::file(
+                file.path(),
+                format!("cannot build the tokenizer from the metadata: {e}"),
+            )
+        })?;
+        let mut t = Tokenizer::assemble(tok, file.path(), Some(&tc), Vec::new(), config)?;
+        t.generated = Some(Box::new((json, tc)));
+        t.source = file.path().to_path_buf();
+        Ok(t)
+    }
+
+    /// A tokenizer from its parts: `tc` is `tokenizer_config.json`, `eos` end-of-sequence ids
+    /// from `generation_config.json`; `path` names the vocabulary in errors.
+    fn assemble(
+        tok: tokenizers::Tokenizer,
+        path: &Path,
+        tc: Option<&Value>,
+        mut eos: Vec<i64>,
+        config: &ModelConfig,
+    ) -> Result<Tokenizer> {
         let max_id = tok
             .get_vocab(true)
             .values()
@@ -119,25 +184,19 @@ impl Tokenizer {
             .unwrap_or(0);
         if max_id >= config.vocab_size {
             return Err(Error::file(
-                &path,
+                path,
                 format!(
                     "the vocabulary does not match the model: token id {max_id} but the embedding has {} rows (config.json vocab_size)",
                     config.vocab_size
                 ),
             ));
         }
-        let mut files = vec![path.clone()];
-        let tc_path = dir.join("tokenizer_config.json");
-        let tc = read_json(&tc_path)?;
-        if tc.is_some() {
-            files.push(tc_path.clone());
-        }
-        let get = |k: &str| tc.as_ref().and_then(|v| v.get(k));
+        let get = |k: &str| tc.and_then(|v| v.get(k));
         let bos_text = token_text(get("bos_token")).unwrap_or_default();
         let eos_text = token_text(get("eos_token")).unwrap_or_default();
         let pad_text = token_text(get("pad_token"));
         let id_of = |s: &str| tok.token_to_id(s).map(i64::from);
-        let mut chat_template = match get("chat_template") {
+        let chat_template = match get("chat_template") {
             Some(Value::String(s)) => Some(s.clone()),
             Some(Value::Array(list)) => list
                 .iter()
@@ -147,19 +206,6 @@ impl Tokenizer {
                 .map(str::to_owned),
             _ => None,
         };
-        let jinja = dir.join("chat_template.jinja");
-        if chat_template.is_none() && jinja.exists() {
-            chat_template = Some(
-                std::fs::read_to_string(&jinja)
-                    .map_err(|e| Error::file(&jinja, format!("cannot read: {e}")))?,
-            );
-            files.push(jinja);
-        }
-        let mut eos: Vec<i64> = Vec::new();
-        let gc_path = dir.join("generation_config.json");
-        if let Some(gc) = read_json(&gc_path)? {
-            eos.extend(token_ids_field(&gc_path, &gc, "eos_token_id")?);
-        }
         eos.extend(config.eos_token_ids.iter().copied());
         if let Some(id) = id_of(&eos_text) {
             eos.push(id);
@@ -177,8 +223,16 @@ impl Tokenizer {
             chat_template,
             bos_text,
             eos_text,
-            files,
+            files: Vec::new(),
+            generated: None,
+            source: path.to_path_buf(),
         })
+    }
+
+    /// `tokenizer.json` and `tokenizer_config.json` of a tokenizer that was not read from
+    /// files (one from a GGUF file's metadata), for saving.
+    pub fn generated_files(&self) -> Option<(&Value, &Value)> {
+        self.generated.as_deref().map(|(a, b)| (a, b))
     }
 
     /// Special token ids.
@@ -252,11 +306,7 @@ impl Tokenizer {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<String> {
-        let source = self
-            .files
-            .first()
-            .map(|p| p.display().to_string())
-            .unwrap_or_else(|| "tiny".into());
+        let source = self.source.display().to_string();
         let Some(template) = &self.chat_template else {
             return Err(Error::invalid(source, "the tokenizer has no chat template"));
         };

@@ -71,6 +71,7 @@ impl ObjectiveBuilder {
             o: Objective {
                 name: name.into(),
                 inputs: Vec::new(),
+                input_names: Vec::new(),
                 insts: Vec::new(),
                 result: POISON,
                 metrics: Vec::new(),
@@ -142,7 +143,13 @@ impl ObjectiveBuilder {
 
     /// A new input of the given kind, and its value.
     pub fn input(&mut self, kind: InputKind) -> Value {
+        self.input_named(kind, "")
+    }
+
+    /// A new input bound to the loss's parameter `name`, and its value.
+    pub fn input_named(&mut self, kind: InputKind, name: &str) -> Value {
         self.o.inputs.push(kind);
+        self.o.input_names.push(name.to_string());
         let n = self.o.inputs.len() as u32 - 1;
         self.leaf(Op::Input(n))
     }

@@ -371,6 +371,10 @@ pub struct Objective {
     pub name: String,
     /// The inputs in order; `Op::Input(n)` reads input `n`.
     pub inputs: Vec<InputKind>,
+    /// The parameter each input is bound to in the loss it was lowered from (`old_logp`, `adv`),
+    /// for messages and tools; empty, or one per input.
+    #[serde(default)]
+    pub input_names: Vec<String>,
     /// Every instruction, each after its operands; a [`Value`] indexes this list.
     pub insts: Vec<Inst>,
     /// The loss: a loss-level float.
@@ -384,6 +388,11 @@ impl Objective {
     /// The instruction defining a value.
     pub fn inst(&self, v: Value) -> Option<&Inst> {
         self.insts.get(v.index())
+    }
+
+    /// The index of the input bound to the parameter `name`, if any.
+    pub fn input_named(&self, name: &str) -> Option<usize> {
+        self.input_names.iter().position(|n| n == name)
     }
 
     /// The model outputs the objective reads (what the trainer's forward pass must provide).

@@ -118,6 +118,22 @@ fn reductions_take_their_canonical_form() {
 }
 
 #[test]
+fn inputs_keep_the_names_of_their_parameters() {
+    let mut b = ObjectiveBuilder::new("t");
+    let adv = b.input_named(InputKind::PerSample, "adv");
+    let logp = b.model(ModelOutput::Logp);
+    let pg = b.binary(BinOp::Mul, adv, logp);
+    let l = b.batch_mean(pg);
+    let o = b.finish(l).unwrap();
+    assert_eq!(o.input_named("adv"), Some(0));
+    assert_eq!(o.input_named("old_logp"), None);
+    assert!(
+        o.to_string().starts_with("loss t(p0 adv: per_sample) {"),
+        "{o}"
+    );
+}
+
+#[test]
 fn unused_instructions_are_removed() {
     let mut b = ObjectiveBuilder::new("t");
     let x = b.input(InputKind::PerToken);
@@ -168,8 +184,9 @@ fn the_verifier_rejects_broken_objectives() {
     assert!(broken(
         &|o| o.insts[3].op = Op::Binary(BinOp::Sub, Value(2), Value(9))
     ));
-    // A missing input.
+    // A missing input, and input names that are not one per input.
     assert!(broken(&|o| o.insts[0].op = Op::Input(7)));
+    assert!(broken(&|o| o.input_names = vec!["adv".into()]));
     // A recorded level that is not what the operation computes.
     assert!(broken(&|o| o.insts[4].level = Level::Sample));
     // A result that is not the loss.

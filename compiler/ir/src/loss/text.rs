@@ -21,7 +21,11 @@ impl Display for Objective {
                 InputKind::PerToken => "per_token",
                 InputKind::PerSample => "per_sample",
             };
-            write!(f, "{}p{i}: {kind}", if i > 0 { ", " } else { "" })?;
+            let name = match o_name(self, i) {
+                Some(n) => format!(" {n}"),
+                None => String::new(),
+            };
+            write!(f, "{}p{i}{name}: {kind}", if i > 0 { ", " } else { "" })?;
         }
         writeln!(f, ") {{")?;
         for (i, inst) in self.insts.iter().enumerate() {
@@ -63,4 +67,12 @@ impl Display for Objective {
         writeln!(f, "  return {}", V(self.result))?;
         writeln!(f, "}}")
     }
+}
+
+/// The name of input `i`, if it has one.
+fn o_name(o: &Objective, i: usize) -> Option<&str> {
+    o.input_names
+        .get(i)
+        .map(|s| s.as_str())
+        .filter(|s| !s.is_empty())
 }

@@ -153,6 +153,13 @@ pub fn verify(o: &Objective) -> Result<(), VerifyError> {
         objective: o.name.clone(),
         message,
     };
+    if !o.input_names.is_empty() && o.input_names.len() != o.inputs.len() {
+        return Err(err(format!(
+            "{} input names for {} inputs",
+            o.input_names.len(),
+            o.inputs.len()
+        )));
+    }
     for (i, inst) in o.insts.iter().enumerate() {
         let got = result_of(&inst.op, &o.inputs, |v| {
             (v.index() < i).then(|| (o.insts[v.index()].level, o.insts[v.index()].ty))
