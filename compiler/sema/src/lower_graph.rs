@@ -592,7 +592,7 @@ impl Cx<'_> {
                 };
                 let count = self.int_arg(args.get(1), "n")?;
                 let op = Op::Next { dataset: d, count };
-                return Ok(Lv::Node(self.add(op, e, &[])?));
+                Ok(Lv::Node(self.add(op, e, &[])?))
             }
             "by_prompt" => {
                 let (Some(v), Some(like)) = (args.first(), args.get(1)) else {
