@@ -175,7 +175,10 @@ impl<'p> Executor<'p> {
             stats.insert("grad_norm".into(), norm_sum / k);
             stats.insert("lr".into(), lr);
             for (name, sc) in metrics.keys().zip(metric_sums.chunks(2)) {
-                stats.insert(name.clone(), sc[0] / sc.get(1).copied().unwrap_or(0.0).max(1.0));
+                stats.insert(
+                    name.clone(),
+                    sc[0] / sc.get(1).copied().unwrap_or(0.0).max(1.0),
+                );
             }
             if head == Head::Lm {
                 stats.insert("entropy".into(), ent_tok / tokens.max(1.0));
