@@ -130,7 +130,7 @@ fn check_json_output_has_code_span_and_help() {
         .iter()
         .find(|l| l["primary"] == true)
         .unwrap();
-    assert_eq!(primary["line"], 10);
+    assert_eq!(primary["line"], 11);
     assert!(
         primary["file"]
             .as_str()

@@ -355,6 +355,7 @@ fn an_editor_session() {
             "advantages",
             "grpo",
             "kl",
+            "losses",
             "ppo",
             "reinforce_pp",
             "remax",

@@ -50,10 +50,33 @@ fn tmp(name: &str) -> PathBuf {
     d
 }
 
+/// A run's metrics. With `BRAID_TEST_METRICS_DIR` set, each run's `metrics.jsonl` is also
+/// copied there (named after the test's directory and the run's), so that two builds' numbers
+/// can be compared line by line (`scripts/compare_metrics.py`).
 fn metrics(run_dir: &Path) -> Vec<serde_json::Map<String, serde_json::Value>> {
-    std::fs::read_to_string(run_dir.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
+    let text = std::fs::read_to_string(run_dir.join("metrics.jsonl")).unwrap();
+    if let Some(out) = std::env::var_os("BRAID_TEST_METRICS_DIR") {
+        let name = |p: Option<&Path>| {
+            p.and_then(|p| p.file_name())
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default()
+        };
+        // `tmp` names directories `braid-run-NAME-PID`.
+        let test = name(run_dir.parent());
+        let test = test
+            .strip_prefix("braid-run-")
+            .and_then(|t| t.rsplit_once('-'))
+            .map_or(test.as_str(), |t| t.0)
+            .to_string();
+        let out = PathBuf::from(out);
+        std::fs::create_dir_all(&out).unwrap();
+        std::fs::write(
+            out.join(format!("{test}-{}.jsonl", name(Some(run_dir)))),
+            &text,
+        )
+        .unwrap();
+    }
+    text.lines()
         .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
         .map(|v| v.as_object().unwrap().clone())
         .collect()
@@ -169,6 +192,47 @@ fn quickstart_learns_and_leaves_a_loadable_checkpoint() {
     let out = run_into(&file, &run_dir);
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("--resume"));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// GRPO with GSPO's sequence-level loss (`variant: "gspo"`, the paper's clip ranges) learns the
+/// quickstart task too, and reports the share of sequences it clips.
+#[test]
+fn grpo_with_the_gspo_loss_learns_the_quickstart_task() {
+    let dir = tmp("gspo");
+    let src = std::fs::read_to_string("examples/quickstart.rlhf")
+        .unwrap()
+        .replace(
+            "steps: 60",
+            "steps: 20, variant: \"gspo\", clip: 3e-4, clip_high: 4e-4",
+        );
+    assert!(
+        src.contains("gspo"),
+        "the quickstart's settings changed: {src}"
+    );
+    let file = dir.join("gspo.rlhf");
+    std::fs::write(&file, src).unwrap();
+    let run_dir = dir.join("run");
+    let out = run_into(&file, &run_dir);
+    ok(&out);
+    let plan = std::fs::read_to_string(run_dir.join("plan.txt")).unwrap();
+    assert!(
+        plan.contains("token_mean") && plan.contains("sample bool"),
+        "{plan}"
+    );
+    let m = metrics(&run_dir);
+    assert_eq!(m.len(), 20);
+    for line in &m {
+        let clip = num(line, "policy/clip_frac");
+        assert!((0.0..=1.0).contains(&clip), "{clip}");
+        assert!(num(line, "policy/loss").is_finite());
+    }
+    let first: f64 = m[..5].iter().map(|l| num(l, "reward_mean")).sum::<f64>() / 5.0;
+    let last: f64 = m[15..].iter().map(|l| num(l, "reward_mean")).sum::<f64>() / 5.0;
+    assert!(
+        last >= 1.5 * first,
+        "GSPO: reward of the last 5 steps {last} is not 1.5 times that of the first 5 {first}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -476,7 +540,8 @@ fn vowels(s: Sample) -> float {
 "#;
 
 /// Every algorithm of the standard library runs as its pipeline (no Rust copy of any of them):
-/// GRPO, Dr. GRPO, RLOO, REINFORCE++, ReMax and PPO with a reward function, with epochs,
+/// GRPO, Dr. GRPO, RLOO, REINFORCE++, ReMax, PPO with a reward function, and GRPO with DAPO's
+/// and CISPO's losses, with epochs,
 /// mini-batches, warm-up, a cosine schedule and gradient clipping; the generated lengths feed
 /// `braid plan --gen-lengths`.
 #[test]
@@ -504,6 +569,16 @@ fn every_stdlib_algorithm_runs_as_its_pipeline() {
             "ppo",
             "ppo_fn(policy, prompts, reward: vowels, critic: critic)",
             "minibatches: 2\n  entropy_coef: 0.01\n  dual_clip: 3.0",
+        ),
+        (
+            "grpo",
+            "grpo(policy, prompts, reward: vowels)",
+            "group: 2\n  variant: \"dapo\"\n  epochs: 2",
+        ),
+        (
+            "grpo",
+            "grpo(policy, prompts, reward: vowels)",
+            "group: 2\n  variant: \"cispo\"\n  minibatches: 2\n  kl_coef: 0.0",
         ),
     ];
     for (i, (module, call, extra)) in runs.iter().enumerate() {

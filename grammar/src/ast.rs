@@ -140,12 +140,14 @@ pub struct FnDecl {
     pub span: Span,
 }
 
-/// A signature parameter: `name: Type = default`.
+/// A signature parameter: `name: Type = default`, and for `fn` parameters an optional
+/// `where CONDITION` on the values it accepts.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Param {
     pub name: Ident,
     pub ty: TypeExpr,
     pub default: Option<Expr>,
+    pub where_: Option<Expr>,
     pub span: Span,
 }
 
@@ -218,6 +220,8 @@ impl Stmt {
 pub struct Let {
     pub name: Ident,
     pub value: Expr,
+    /// `metric NAME = EXPR` in a `fn` body: a diagnostic the loss declares, not a binding.
+    pub metric: bool,
     pub span: Span,
 }
 

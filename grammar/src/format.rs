@@ -310,6 +310,10 @@ impl Printer<'_> {
     }
 
     fn params(&self, ps: &[Param]) -> Option<String> {
+        Some(self.param_texts(ps)?.join(", "))
+    }
+
+    fn param_texts(&self, ps: &[Param]) -> Option<Vec<String>> {
         let mut parts = Vec::new();
         for p in ps {
             let mut s = format!("{}: {}", p.name.name, type_text(&p.ty));
@@ -317,9 +321,13 @@ impl Printer<'_> {
                 s.push_str(" = ");
                 s.push_str(&self.flat(d)?);
             }
+            if let Some(w) = &p.where_ {
+                s.push_str(" where ");
+                s.push_str(&self.flat(w)?);
+            }
             parts.push(s);
         }
-        Some(parts.join(", "))
+        Some(parts)
     }
 
     fn fn_decl(&mut self, f: &FnDecl, first: bool) {
@@ -328,8 +336,35 @@ impl Printer<'_> {
         self.out.push_str("fn ");
         self.out.push_str(&f.name.name);
         self.out.push('(');
-        let params = self.params(&f.params).unwrap_or_default();
-        self.out.push_str(&params);
+        let params = self.param_texts(&f.params).unwrap_or_default();
+        let flat = params.join(", ");
+        // One parameter per line when the source wrote them so, or when the signature does not
+        // fit: both facts survive formatting, so the choice is stable.
+        let multiline_in_source = match (f.params.first(), f.params.last()) {
+            (Some(a), Some(b)) => self.is_multiline_in_source(Span::new(
+                a.span.file,
+                a.span.start as usize,
+                b.span.end as usize,
+            )),
+            _ => false,
+        };
+        // `) -> RET over SCOPE {`
+        let tail =
+            5 + type_text(&f.ret).len() + f.over.as_ref().map_or(0, |o| 6 + o.name.len()) + 2;
+        if multiline_in_source || self.column() + flat.len() + tail > WIDTH {
+            self.newline();
+            self.indent += 1;
+            for (i, (p, text)) in f.params.iter().zip(&params).enumerate() {
+                self.line(p.span, i == 0, |pr| {
+                    pr.out.push_str(text);
+                    pr.out.push(',');
+                });
+            }
+            self.indent -= 1;
+            self.write_indent();
+        } else {
+            self.out.push_str(&flat);
+        }
         self.out.push_str(") -> ");
         self.out.push_str(&type_text(&f.ret));
         if let Some(o) = &f.over {
@@ -357,7 +392,7 @@ impl Printer<'_> {
     }
 
     fn let_stmt(&mut self, l: &Let) {
-        self.out.push_str("let ");
+        self.out.push_str(if l.metric { "metric " } else { "let " });
         self.out.push_str(&l.name.name);
         self.out.push_str(" = ");
         self.expr(&l.value);

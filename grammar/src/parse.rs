@@ -61,12 +61,13 @@ pub fn readable_rule(rule: Rule) -> Option<&'static str> {
         Rule::options => "an options block `{ … }`",
         Rule::option => "an option `key: value`",
         Rule::args | Rule::call_args => "arguments `( … )`",
-        Rule::param | Rule::params => "a parameter `name: Type`",
+        Rule::param | Rule::params | Rule::fn_param | Rule::fn_params => "a parameter `name: Type`",
+        Rule::metric_stmt => "`metric`",
         Rule::param_decl => "`param`",
         Rule::local_model => "`model`",
         Rule::each_block => "`each`",
         Rule::let_stmt => "`let`",
-        Rule::block | Rule::scan_body => "a block `{ … }`",
+        Rule::block | Rule::fn_block | Rule::scan_body => "a block `{ … }`",
         Rule::source => "a source such as `tiny(…)` or `jsonl(\"…\")`",
         Rule::selector => "a model call such as `generate(policy)`",
         Rule::use_item => "`use`",
@@ -326,6 +327,7 @@ fn is_keyword(r: Rule) -> bool {
             | Rule::kw_interleave
             | Rule::kw_let
             | Rule::kw_max
+            | Rule::kw_metric
             | Rule::kw_micro_batch
             | Rule::kw_migrate
             | Rule::kw_model
@@ -555,10 +557,10 @@ impl Builder<'_> {
         for c in inner(p) {
             match c.as_rule() {
                 Rule::ident => name = self.ident(c),
-                Rule::params => params = self.params(c),
+                Rule::fn_params => params = self.params(c),
                 Rule::type_expr => ret = self.type_expr(c),
                 Rule::over => over = inner(c).next().map(|i| self.ident(i)),
-                Rule::block => body = Some(self.block(c)),
+                Rule::fn_block => body = Some(self.block(c)),
                 _ => {}
             }
         }
@@ -594,11 +596,19 @@ impl Builder<'_> {
                     Some(t) => self.type_expr(t),
                     None => TypeExpr::Named(self.missing_ident(span)),
                 };
-                let default = it.next().map(|e| self.expr(e));
+                let mut default = None;
+                let mut where_ = None;
+                for rest in it {
+                    match rest.as_rule() {
+                        Rule::where_clause => where_ = inner(rest).next().map(|e| self.expr(e)),
+                        _ => default = Some(self.expr(rest)),
+                    }
+                }
                 Param {
                     name,
                     ty,
                     default,
+                    where_,
                     span,
                 }
             })
@@ -785,7 +795,19 @@ impl Builder<'_> {
                 span,
             },
         };
-        Let { name, value, span }
+        Let {
+            name,
+            value,
+            metric: false,
+            span,
+        }
+    }
+
+    /// `metric NAME = EXPR`: kept among the block's `let`s, in order, marked as a metric.
+    fn metric_stmt(&mut self, p: P<'_>) -> Let {
+        let mut l = self.let_stmt(p);
+        l.metric = true;
+        l
     }
 
     fn block(&mut self, p: P<'_>) -> Block {
@@ -795,6 +817,7 @@ impl Builder<'_> {
         for c in inner(p) {
             match c.as_rule() {
                 Rule::let_stmt => lets.push(self.let_stmt(c)),
+                Rule::metric_stmt => lets.push(self.metric_stmt(c)),
                 _ => value = Some(self.expr(c)),
             }
         }

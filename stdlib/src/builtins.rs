@@ -7,6 +7,8 @@ pub enum Place {
     Pipeline,
     /// In a `fn` body: math, reductions, string and regex tests.
     Fn,
+    /// In the body of a loss (a `fn … -> Loss`): reductions to the loss and `stop_grad`.
+    Loss,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -124,59 +126,6 @@ pub const BUILTINS: &[Builtin] = &[
         params: &[p("value", "PerSample"), p("like", "Rollout")],
         ret: "PerSample",
         doc: "Lines per-sample values of one rollout up with another rollout of the same prompt batch: each sample of `like` gets the value of its prompt's sample. Per group.",
-    },
-    // Losses: differentiable objectives, evaluated by the trainer with autograd.
-    Builtin {
-        name: "ppo_loss",
-        place: Place::Pipeline,
-        params: &[
-            p("old_logp", "PerToken"),
-            p("adv", "PerToken|PerSample"),
-            d("clip", "float", "0.2"),
-            d("dual_clip", "float", "0.0"),
-            d("entropy_coef", "float", "0.0"),
-            d("agg", "string", "\"token\""),
-        ],
-        ret: "Loss",
-        doc: "PPO's clipped policy loss: -min(ρ·A, clip(ρ, 1-clip, 1+clip)·A) with ρ = exp(logp - old_logp). `dual_clip` > 1 bounds the loss of negative advantages (Ye et al., 2020); `entropy_coef` adds an entropy bonus. `agg`: \"token\" (mean over all tokens), \"sequence\" (mean over samples of per-sample token means) or \"sum\" (sum over tokens / max_new_tokens, as in Dr. GRPO).",
-    },
-    Builtin {
-        name: "value_loss",
-        place: Place::Pipeline,
-        params: &[
-            p("old_v", "PerToken"),
-            p("returns", "PerToken"),
-            d("clip", "float", "0.2"),
-            d("coef", "float", "0.5"),
-        ],
-        ret: "Loss",
-        doc: "PPO's clipped value loss: coef · max((v - R)², (old_v + clip(v - old_v, ±clip) - R)²), averaged over tokens.",
-    },
-    Builtin {
-        name: "grpo_loss",
-        place: Place::Pipeline,
-        params: &[
-            p("old_logp", "PerToken"),
-            p("ref_logp", "PerToken"),
-            p("adv", "PerSample"),
-            d("clip", "float", "0.2"),
-            d("kl_coef", "float", "0.04"),
-            d("kl_estimator", "string", "\"k3\""),
-            d("variant", "string", "\"grpo\""),
-        ],
-        ret: "Loss",
-        doc: "GRPO's loss: the clipped policy loss with per-sample advantages plus kl_coef · KL(policy ‖ ref) per token. `variant: \"grpo\"` averages tokens within each sample, then samples; `\"dr_grpo\"` sums tokens and divides by max_new_tokens (Liu et al., 2025).",
-    },
-    Builtin {
-        name: "kl_loss",
-        place: Place::Pipeline,
-        params: &[
-            p("ref_logp", "PerToken"),
-            d("coef", "float", "0.01"),
-            d("estimator", "string", "\"k3\""),
-        ],
-        ret: "Loss",
-        doc: "coef · KL(policy ‖ ref) per token, averaged: KL in the loss rather than in the reward. Add it to another loss: `ppo_loss(…) + kl_loss(ref_logp, 0.01)`.",
     },
     // Math, in fn bodies. Elementwise over per-token values.
     Builtin {
@@ -314,6 +263,35 @@ pub const BUILTINS: &[Builtin] = &[
         params: &[p("completion", "string"), p("answer", "string")],
         ret: "bool",
         doc: "Numeric answer matching: the last number in the completion (or the content of its last `\\boxed{}`) equals the answer's number. Tolerates `1,000`, `1000.0` and `$`.",
+    },
+    // Losses: in the body of a `fn … -> Loss`, evaluated per micro-batch with autograd.
+    Builtin {
+        name: "batch_mean",
+        place: Place::Loss,
+        params: &[p("x", "PerToken|PerSample")],
+        ret: "Loss",
+        doc: "The mean over the mini-batch: of all its tokens for a per-token value (a token mean), of its samples for a per-sample one (`batch_mean(mean(x))` is the sequence mean). Each micro-batch contributes its share, divided by the mini-batch's count, so accumulated gradients are the mini-batch's.",
+    },
+    Builtin {
+        name: "batch_sum",
+        place: Place::Loss,
+        params: &[p("x", "PerToken|PerSample")],
+        ret: "Loss",
+        doc: "The sum over the mini-batch's tokens (per-token `x`) or samples (per-sample `x`). Divide it by a constant for Dr. GRPO's normaliser: `batch_sum(x) / max_new_tokens`.",
+    },
+    Builtin {
+        name: "group_mean",
+        place: Place::Loss,
+        params: &[p("x", "PerToken|PerSample")],
+        ret: "Loss",
+        doc: "The mean over the mini-batch's groups of each group's mean: over the group's tokens for a per-token value, its samples for a per-sample one. A group is the samples of one prompt that the mini-batch holds.",
+    },
+    Builtin {
+        name: "stop_grad",
+        place: Place::Loss,
+        params: &[p("x", "number|PerToken|PerSample")],
+        ret: "number|PerToken",
+        doc: "The value, cut from the gradient: the loss is differentiated as if `x` were a constant (CISPO's clipped weight, a baseline).",
     },
 ];
 
@@ -566,6 +544,29 @@ pub const EVAL_OPTIONS: &[OptionSpec] = &[
         "Tokens per answer (> 0). Default: the run's `max_new_tokens`.",
     ),
 ];
+
+/// The trained model's outputs in the body of a loss (`policy.logp`), per completion token of
+/// the rollout being trained on, with gradients.
+pub const MODEL_OUTPUTS: &[OptionSpec] = &[
+    o(
+        "logp",
+        "PerToken",
+        "The log-probability of each completion token under the model as it trains (at the rollout's sampling temperature). Needs an `lm` head.",
+    ),
+    o(
+        "entropy",
+        "PerToken",
+        "The entropy of the model's next-token distribution at each completion token. Needs an `lm` head.",
+    ),
+    o(
+        "value",
+        "PerToken",
+        "The model's value estimate at each completion token. Needs a `value` head.",
+    ),
+];
+
+/// Names a loss's `metric` may not take: the trainer reports these itself.
+pub const TRAINER_METRICS: &[&str] = &["loss", "grad_norm", "lr", "entropy"];
 
 /// Fields of a `Sample` in a `fn` body.
 pub const SAMPLE_FIELDS: &[OptionSpec] = &[

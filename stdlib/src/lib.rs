@@ -7,8 +7,8 @@ mod builtins;
 
 pub use builtins::{
     BUILTINS, Builtin, BuiltinParam, CLUSTER_OPTIONS, DATASET_OPTIONS, DATASET_SOURCES, DEVICES,
-    EVAL_OPTIONS, FIELD_OPTIONS, MODEL_OPTIONS, MODEL_SOURCES, OptionSpec, Place, RUN_SETTINGS,
-    SAMPLE_FIELDS, builtin,
+    EVAL_OPTIONS, FIELD_OPTIONS, MODEL_OPTIONS, MODEL_OUTPUTS, MODEL_SOURCES, OptionSpec, Place,
+    RUN_SETTINGS, SAMPLE_FIELDS, TRAINER_METRICS, builtin,
 };
 
 /// A standard-library module: `use std::NAME`.
@@ -31,6 +31,10 @@ pub const MODULES: &[Module] = &[
     Module {
         name: "kl",
         source: include_str!("../std/kl.rlhf"),
+    },
+    Module {
+        name: "losses",
+        source: include_str!("../std/losses.rlhf"),
     },
     Module {
         name: "ppo",

@@ -85,6 +85,8 @@ codes! {
     E0314 => "invalid-regex", Error, "a regular expression does not compile";
     E0315 => "unknown-type", Error, "a type name is not known";
     E0316 => "pattern-not-literal", Error, "a pattern or string argument must be a literal";
+    E0317 => "loss-without-gradient", Error, "a loss does not depend on the trained model's outputs";
+    E0318 => "not-differentiable", Error, "a loss uses something that cannot be differentiated";
     // Pipeline semantics.
     E0401 => "train-frozen-model", Error, "a model without `train:` is trained";
     E0402 => "missing-run", Error, "a file declares models or data but no `run`";
@@ -100,6 +102,7 @@ codes! {
     E0412 => "setting-not-constant", Error, "a run setting or default is not a constant";
     E0413 => "duplicate-block", Error, "a file has more than one `cluster` or `schedule`";
     E0414 => "invalid-eval", Error, "the run's `eval` is incomplete, contradictory, or evaluates on training prompts";
+    E0415 => "loss-of-another-model", Error, "a loss computed with one model's outputs trains another model";
     // Planning.
     E0501 => "pin-matches-nothing", Error, "a schedule pin names no model call of the run";
     E0502 => "ambiguous-pin", Error, "a schedule pin matches more than one model call";
@@ -110,6 +113,7 @@ codes! {
     W0001 => "unused-let", Warning, "a `let` binding is never used";
     W0002 => "unused-model", Warning, "a declared model is never used by the run";
     W0003 => "unused-value", Warning, "a statement computes a value that nothing uses";
+    W0004 => "stop-grad-of-constant", Warning, "`stop_grad` of a value that carries no gradient";
 }
 
 impl std::fmt::Display for Code {

@@ -19,6 +19,7 @@ use petgraph::visit::EdgeRef;
 use serde::{Deserialize, Serialize};
 
 use crate::kernel::Kernel;
+use crate::loss::{InputKind, Objective};
 pub use crate::settings::{Dtype, Head, LrSchedule, Speculation, Split, SyntheticKind};
 
 /// A node of a [`TaskGraph`].
@@ -177,40 +178,6 @@ impl ArithOp {
     }
 }
 
-/// The built-in losses.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub enum LossKind {
-    /// Operands: old_logp, adv, clip, dual_clip, entropy_coef, agg.
-    Ppo,
-    /// Operands: old_v, returns, clip, coef.
-    Value,
-    /// Operands: old_logp, ref_logp, adv, clip, kl_coef, kl_estimator, variant.
-    Grpo,
-    /// Operands: ref_logp, coef, estimator.
-    Kl,
-}
-
-impl LossKind {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            LossKind::Ppo => "ppo_loss",
-            LossKind::Value => "value_loss",
-            LossKind::Grpo => "grpo_loss",
-            LossKind::Kl => "kl_loss",
-        }
-    }
-
-    /// How many operands the loss takes.
-    pub fn arity(self) -> usize {
-        match self {
-            LossKind::Ppo => 6,
-            LossKind::Value => 4,
-            LossKind::Grpo => 7,
-            LossKind::Kl => 3,
-        }
-    }
-}
-
 /// What a node computes. Input 0 of every node that works on a rollout is that rollout (the
 /// `generate` node), so that the executor knows the samples' texts, lengths and groups.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -251,14 +218,11 @@ pub enum Op {
     /// `by_prompt(value, like)`: input 0 is `like` (the rollout the result belongs to), input
     /// 1 the value, input 2 the value's rollout.
     ByPrompt,
-    /// Input 0: the rollout; `args`: the loss's operands in parameter order.
+    /// The objective of a `train`: a loss lowered to the objective IR, its run's constants
+    /// folded in. Input 0: the rollout; input `k + 1`: the objective's input `k` (a per-token
+    /// or per-sample value computed outside the loss).
     Loss {
-        kind: LossKind,
-        args: Vec<Operand>,
-    },
-    /// The sum of losses: input 0 the rollout, then the terms.
-    LossSum {
-        terms: u32,
+        objective: Objective,
     },
     /// Input 0: the rollout; input 1: the loss.
     Train {
@@ -301,8 +265,7 @@ impl Op {
             Op::Kernel { .. } => "kernel",
             Op::Arith { .. } => "arith",
             Op::ByPrompt => "by_prompt",
-            Op::Loss { kind, .. } => kind.as_str(),
-            Op::LossSum { .. } => "loss_sum",
+            Op::Loss { .. } => "loss",
             Op::Train { .. } => "train",
             Op::Reshard { .. } => "reshard",
             Op::Offload { .. } => "offload",
@@ -676,19 +639,24 @@ impl TaskGraph {
                         return bad(id, "by_prompt takes (rollout, PerSample, rollout)".into());
                     }
                 }
-                Op::Loss { kind, args } => {
-                    if tys.first() != Some(&DataTy::Rollout)
-                        || args.len() != kind.arity()
-                        || !operands_ok(args)
-                    {
-                        return bad(id, format!("{} operands do not match", kind.as_str()));
+                Op::Loss { objective } => {
+                    let want: Vec<DataTy> = std::iter::once(DataTy::Rollout)
+                        .chain(objective.inputs.iter().map(|k| match k {
+                            InputKind::PerToken => DataTy::PerToken,
+                            InputKind::PerSample => DataTy::PerSample,
+                        }))
+                        .collect();
+                    if tys != want {
+                        return bad(
+                            id,
+                            format!(
+                                "loss `{}` takes a rollout and its inputs ({:?}), not {tys:?}",
+                                objective.name, objective.inputs
+                            ),
+                        );
                     }
-                }
-                Op::LossSum { terms } => {
-                    if tys.len() != *terms as usize + 1
-                        || tys[1..].iter().any(|t| *t != DataTy::Loss)
-                    {
-                        return bad(id, "loss_sum takes a rollout and losses".into());
+                    if let Err(e) = crate::loss::verify(objective) {
+                        return bad(id, e.to_string());
                     }
                 }
                 Op::Train { .. } => {
@@ -776,8 +744,8 @@ impl TaskGraph {
                 }
                 Op::Kernel { func, args, .. } => format!("{func}({})", join(args)),
                 Op::Arith { op, args } => format!("{}({})", op.as_str(), join(args)),
-                Op::ByPrompt | Op::LossSum { .. } => String::new(),
-                Op::Loss { args, .. } => format!("({})", join(args)),
+                Op::ByPrompt => String::new(),
+                Op::Loss { objective } => objective.name.clone(),
                 Op::Train {
                     model,
                     epochs,
@@ -1027,5 +995,21 @@ impl Plan {
     pub fn graph_text(&self) -> String {
         self.graph
             .to_text(&self.model_names(), &self.dataset_names())
+    }
+
+    /// The objective of every loss node, in node order, in the objective IR's text form: what
+    /// each `train` differentiates (the graph's text form names the loss only).
+    pub fn losses_text(&self) -> String {
+        let mut out = String::new();
+        for id in self.graph.node_ids() {
+            if let Some(Node {
+                op: Op::Loss { objective },
+                ..
+            }) = self.graph.node(id)
+            {
+                let _ = write!(out, "{id}: {objective}");
+            }
+        }
+        out
     }
 }

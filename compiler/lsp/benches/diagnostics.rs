@@ -13,7 +13,7 @@ use serde_json::json;
 /// A runnable program of at least `lines` lines: many reward functions and pipelines, and a run.
 fn generate(lines: usize) -> String {
     let mut s = String::from(
-        "use std::grpo\nuse std::advantages\n\nmodel policy = tiny(layers: 2, hidden: 64) {\n  train: adamw(lr: 3e-4)\n}\n\ndataset prompts = synthetic::letters(count: 64)\n\n",
+        "use std::grpo\nuse std::advantages\nuse std::losses\n\nmodel policy = tiny(layers: 2, hidden: 64) {\n  train: adamw(lr: 3e-4)\n}\n\ndataset prompts = synthetic::letters(count: 64)\n\n",
     );
     let mut i = 0;
     while s.lines().count() < lines.saturating_sub(4) {
@@ -39,7 +39,7 @@ pipeline algo_{i}(policy: Model, prompts: Dataset, reward: fn(Sample) -> float) 
     let rollout = generate(policy, next(prompts, batch), n: 4, max_new_tokens: 64)
     let old_logp = logprobs(policy, rollout)
     let adv = centred_{i}(reward(rollout))
-    train(policy, rollout, loss: ppo_loss(old_logp, adv, 0.2))
+    train(policy, rollout, loss: ppo_loss(policy, old_logp, adv, 0.2))
   }}
 }}
 

@@ -1,5 +1,5 @@
 //! Completion, chosen by what precedes the cursor: standard modules after `use std::`, `Sample`
-//! fields after `s.`, option keys at the start of an entry of a `model`, `dataset`, `cluster` or
+//! fields after `s.` (a loss's model outputs after `policy.`), option keys at the start of an entry of a `model`, `dataset`, `cluster` or
 //! `run` block, and otherwise keywords, the names in scope and the built-ins.
 //!
 //! The context is read from the text with a small scanner (brackets outside strings and
@@ -47,7 +47,13 @@ pub fn complete(doc: &Document, pos: Position) -> Vec<CompletionItem> {
         // `s.` but not `1.` (a float being typed).
         let name = &base[base.trim_end_matches(is_ident).len()..];
         if name.starts_with(|c: char| c.is_ascii_alphabetic() || c == '_') {
-            return options(braid_stdlib::SAMPLE_FIELDS, CompletionItemKind::FIELD);
+            // In a loss, its model's outputs (`policy.logp`); elsewhere a sample's fields.
+            let fields = if is_model_local(doc, name, offset as u32) {
+                braid_stdlib::MODEL_OUTPUTS
+            } else {
+                braid_stdlib::SAMPLE_FIELDS
+            };
+            return options(fields, CompletionItemKind::FIELD);
         }
     }
     let entry_start =
@@ -164,6 +170,17 @@ pub(crate) fn option_doc(doc: &Document, offset: usize) -> Option<(String, usize
         text.push_str(&format!("\n\nOne of: {}", spec.values.join(", ")));
     }
     Some((text, start, end))
+}
+
+/// Whether `name` is a `Model` local of a body around `offset` (as of the last check).
+fn is_model_local(doc: &Document, name: &str, offset: u32) -> bool {
+    let last: Option<&braid_sema::hir::Program> = doc.last_parsed.as_deref();
+    std::iter::once(&doc.checked.program).chain(last).any(|p| {
+        owners(p, doc.root())
+            .filter(|o| o.span.start <= offset && offset <= o.span.end.saturating_add(64))
+            .flat_map(|o| o.locals.iter())
+            .any(|l| l.name == name && l.ty == braid_sema::hir::Ty::Model)
+    })
 }
 
 fn general(doc: &Document, offset: u32) -> Vec<CompletionItem> {
@@ -352,6 +369,18 @@ mod tests {
     }
 
     #[test]
+    fn a_losss_model_offers_its_outputs() {
+        let old = test_document("fn l(policy: Model) -> Loss {\n  batch_mean(policy.logp)\n}\n");
+        let text = "fn l(policy: Model) -> Loss {\n  batch_mean(policy.";
+        let mut doc = test_document(text);
+        doc.inherit(old);
+        let file = braid_diagnostics::SourceFile::new("t", text);
+        let end = position::offset_to_position(&file, text.len() as u32);
+        let labels: Vec<String> = complete(&doc, end).into_iter().map(|i| i.label).collect();
+        assert_eq!(labels, ["logp", "entropy", "value"]);
+    }
+
+    #[test]
     fn the_context_picks_the_list() {
         let fields = labels_at_end("fn f(s: Sample) -> float {\n  len(s.");
         assert_eq!(
@@ -368,7 +397,7 @@ mod tests {
         let general = labels_at_end("fn f(s: Sample) -> float {\n  1.");
         assert!(general.iter().any(|l| l == "len") && !general.iter().any(|l| l == "prompt"));
         let cluster = labels_at_end("cluster {\n  gpus: 8\n  g");
-        assert_eq!(cluster, ["gpus", "gpu", "nodes", "cpu"]);
+        assert_eq!(cluster, ["gpus", "gpu", "nodes", "cpu", "cpus"]);
         let dataset = labels_at_end("dataset d = jsonl(\"x\") { shuffle: true, ");
         assert!(dataset.contains(&"fields".to_string()), "{dataset:?}");
         // A value position inside an options block is not a key position.

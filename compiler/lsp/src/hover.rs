@@ -105,6 +105,9 @@ pub fn owners(
     let fns = program.fns.iter().filter(move |f| f.file == root).map(|f| {
         let mut roots: Vec<&Expr> = f.params.iter().filter_map(|p| p.default.as_ref()).collect();
         roots.extend(f.body.lets.iter().map(|(_, e)| e));
+        if let Some(l) = &f.loss {
+            roots.extend(l.metrics.iter().map(|m| &m.value));
+        }
         roots.push(&f.body.value);
         Owner {
             span: f.span,
@@ -174,7 +177,7 @@ pub fn walk<'a>(e: &'a Expr, f: &mut dyn FnMut(&'a Expr)) {
             }
             walk(&s.value, f);
         }
-        ExprKind::Lit(_) | ExprKind::Ref(_) | ExprKind::Error => {}
+        ExprKind::Lit(_) | ExprKind::Ref(_) | ExprKind::ModelOutput { .. } | ExprKind::Error => {}
     }
 }
 

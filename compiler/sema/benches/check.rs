@@ -7,7 +7,8 @@ use std::time::Instant;
 
 /// A program of at least `lines` lines: groups of functions and a pipeline that uses them.
 fn generate(lines: usize) -> String {
-    let mut s = String::from("use std::advantages\nuse std::kl\nuse std::grpo\n\n");
+    let mut s =
+        String::from("use std::advantages\nuse std::kl\nuse std::grpo\nuse std::losses\n\n");
     let mut i = 0;
     while s.lines().count() < lines {
         let _ = write!(
@@ -45,8 +46,8 @@ pipeline algo_{i}(policy: Model, prompts: Dataset, critic: Model) {{
     let old_v = values(critic, rollout)
     let r = kl_shaped(centred_{i}(reward_{i}(rollout)), old_logp, ref_logp, 0.05)
     let a = shaped_{i}(r, old_v, gamma)
-    train(policy, rollout, loss: ppo_loss(old_logp, whiten(a), 0.2))
-    train(critic, rollout, loss: value_loss(old_v, a + old_v, 0.2))
+    train(policy, rollout, loss: ppo_loss(policy, old_logp, whiten(a), 0.2))
+    train(critic, rollout, loss: value_loss(critic, old_v, a + old_v, 0.2))
   }}
 }}
 

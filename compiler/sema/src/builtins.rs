@@ -123,7 +123,7 @@ pub(crate) fn pipeline_builtin(
             }
             ("Dataset", Ty::Dataset)
             | ("PromptBatch", Ty::PromptBatch(_))
-            | ("Loss", Ty::Loss(_)) => true,
+            | ("Loss", Ty::Loss(..)) => true,
             ("int", Ty::Int)
             | ("float", Ty::Int | Ty::Float)
             | ("bool", Ty::Bool)
@@ -159,10 +159,6 @@ pub(crate) fn pipeline_builtin(
             }
         }
     }
-    check_enum_arg(ch, b, &out, "agg", &["token", "sequence", "sum"]);
-    check_enum_arg(ch, b, &out, "kl_estimator", &["k1", "k2", "k3"]);
-    check_enum_arg(ch, b, &out, "estimator", &["k1", "k2", "k3"]);
-    check_enum_arg(ch, b, &out, "variant", &["grpo", "dr_grpo"]);
     if !ok {
         return finish(b, out, Callee::Builtin(b.name), Ty::Error, gran, span);
     }
@@ -189,13 +185,25 @@ pub(crate) fn pipeline_builtin(
             Granularity::PerSample.max(gran),
         ),
         "train" => {
-            // The loss must be computed on the rollout being trained on; the loop above already
-            // compared the rollout argument with the loss's rollout.
+            // The loss must be computed on the rollout being trained on (the loop above compared
+            // the rollout argument with the loss's rollout), with the outputs of the model
+            // trained.
+            if let (Some(trained), Some(Some(loss))) = (model_local, out.get(2))
+                && let Ty::Loss(_, Some(of)) = loss.ty
+                && of != trained
+            {
+                let model_span = out
+                    .first()
+                    .and_then(|m| m.as_ref())
+                    .map_or(span, |m| m.span);
+                ch.loss_of_another_model(cx, of, loss.span, trained, model_span, true);
+                return finish(b, out, Callee::Model(ModelOp::Train), Ty::Error, gran, span);
+            }
             (Ty::Unit, Granularity::PerBatch)
         }
         "next" => (Ty::PromptBatch(ch.new_batch(cx)), Granularity::PerBatch),
         "by_prompt" => by_prompt(ch, cx, &out, span),
-        _ => (Ty::Loss(r), Granularity::PerBatch),
+        _ => (Ty::Error, gran),
     };
     let callee = match op {
         Some(op) => Callee::Model(op),
@@ -233,40 +241,6 @@ fn by_prompt(
     (Ty::PerSample(*to), Granularity::PerGroup.max(value.gran))
 }
 
-/// A string argument with a fixed set of values, checked when it is a literal (settings are
-/// checked by their `where` conditions).
-fn check_enum_arg(
-    ch: &mut Checker<'_>,
-    b: &Builtin,
-    out: &[Option<Expr>],
-    param: &str,
-    allowed: &[&str],
-) {
-    let Some(i) = b.params.iter().position(|p| p.name == param) else {
-        return;
-    };
-    let Some(Some(a)) = out.get(i) else { return };
-    if let ExprKind::Lit(Value::Str(s)) = &a.kind
-        && !allowed.contains(&s.as_str())
-        && !a.span.is_dummy()
-    {
-        let list = allowed
-            .iter()
-            .map(|x| format!("\"{x}\""))
-            .collect::<Vec<_>>()
-            .join(", ");
-        ch.report(
-            Diagnostic::new(
-                Code::E0308,
-                format!("`{param}` of `{}` cannot be \"{s}\"", b.name),
-                a.span,
-                "not an accepted value",
-            )
-            .with_help(format!("`{param}` is one of {list}")),
-        );
-    }
-}
-
 /// Built-ins of `fn` bodies: math, reductions, strings and regexes.
 pub(crate) fn fn_builtin(
     ch: &mut Checker<'_>,
@@ -292,6 +266,19 @@ pub(crate) fn fn_builtin(
             .zip(b.params)
             .any(|(a, p)| a.is_none() && p.default.is_none())
     {
+        return finish(b, out, Callee::Builtin(b.name), Ty::Error, gran, span);
+    }
+    if cx.loss.is_some()
+        && (matches!(
+            b.name,
+            "matches" | "contains" | "starts_with" | "ends_with" | "answer_matches"
+        ) || (b.name == "count" && out.get(1).is_some_and(|a| a.is_some())))
+    {
+        ch.not_differentiable(
+            span,
+            &format!("`{}`", b.name),
+            "a loss has no sample text: compute text-based values in a reward `fn` and pass them in",
+        );
         return finish(b, out, Callee::Builtin(b.name), Ty::Error, gran, span);
     }
     let arg = |i: usize| out.get(i).and_then(|a| a.as_ref());

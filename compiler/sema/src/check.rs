@@ -43,6 +43,19 @@ pub(crate) struct BodyCx {
     pub calls: BTreeSet<FnId>,
     /// Model calls in a pipeline body: (op, model local, call span).
     pub model_calls: Vec<(ModelOp, LocalId, Span)>,
+    /// In the body of a loss: its model and what the body reads of it.
+    pub loss: Option<LossCx>,
+    /// The metrics a loss body declares.
+    pub metrics: Vec<Metric>,
+}
+
+/// What checking a loss body keeps track of.
+#[derive(Debug, Clone)]
+pub(crate) struct LossCx {
+    /// The local of the loss's `Model` parameter.
+    pub model: LocalId,
+    /// The outputs of the model the body reads.
+    pub outputs: BTreeSet<ModelOutput>,
 }
 
 impl BodyCx {
@@ -56,6 +69,8 @@ impl BodyCx {
             batches: 0,
             calls: BTreeSet::new(),
             model_calls: Vec::new(),
+            loss: None,
+            metrics: Vec::new(),
         }
     }
 
@@ -149,9 +164,9 @@ fn error_expr(span: Span) -> Expr {
 }
 
 /// Parameters of a callee for argument binding: name and whether it may be omitted.
-struct ParamSpec {
-    name: String,
-    optional: bool,
+pub(crate) struct ParamSpec {
+    pub name: String,
+    pub optional: bool,
 }
 
 impl<'a> Checker<'a> {
@@ -276,6 +291,10 @@ impl<'a> Checker<'a> {
         cx.push();
         let mut lets = Vec::new();
         for l in &b.lets {
+            if l.metric {
+                self.metric(cx, l);
+                continue;
+            }
             let v = self.expr(cx, &l.value);
             let id = cx.add_local_gran(
                 &l.name.name,
@@ -389,6 +408,9 @@ impl<'a> Checker<'a> {
         if b.ty.is_error() {
             return error_expr(span);
         }
+        if b.ty == Ty::Model && cx.loss.is_some() {
+            return self.model_output(cx, &b, name, span);
+        }
         if b.ty != Ty::Sample {
             self.report(
                 err(Code::E0206, format!("`{}` has no field `{}`", b.ty.describe(), name.name), name.span, "no such field")
@@ -441,6 +463,10 @@ impl<'a> Checker<'a> {
         if b.ty.is_error() || i.ty.is_error() {
             return error_expr(span);
         }
+        if cx.loss.is_some() {
+            self.not_differentiable(span, "indexing a token", "a loss is evaluated on all tokens at once; write the per-token expression (`x - y`) instead of `x[t]`");
+            return error_expr(span);
+        }
         if b.ty != Ty::Tokens {
             self.report(
                 err(
@@ -489,9 +515,14 @@ impl<'a> Checker<'a> {
             (_, Ty::Error) => Ty::Error,
             (
                 ast::UnaryOp::Neg,
-                Ty::Int | Ty::Float | Ty::Tokens | Ty::PerToken(_) | Ty::PerSample(_),
+                Ty::Int
+                | Ty::Float
+                | Ty::Tokens
+                | Ty::PerToken(_)
+                | Ty::PerSample(_)
+                | Ty::Loss(..),
             ) => x.ty.clone(),
-            (ast::UnaryOp::Not, Ty::Bool) => Ty::Bool,
+            (ast::UnaryOp::Not, Ty::Bool | Ty::TokenBools) => x.ty.clone(),
             _ => {
                 let (sym, want) = if op == ast::UnaryOp::Neg {
                     ("-", "a number")
@@ -612,24 +643,48 @@ impl<'a> Checker<'a> {
                 }
                 (PerToken(a), Int | Float) | (Int | Float, PerToken(a)) => Some(PerToken(*a)),
                 (PerSample(a), Int | Float) | (Int | Float, PerSample(a)) => Some(PerSample(*a)),
-                (Loss(a), Loss(b)) if matches!(op, B::Add | B::Sub) => match (a, b) {
-                    (Some(x), Some(y)) if x != y => {
-                        self.mixed(cx, *x, *y, l.span, r.span, span);
+                (Loss(a, ma), Loss(b, mb)) if matches!(op, B::Add | B::Sub) => {
+                    match (a, b) {
+                        (Some(x), Some(y)) if x != y => {
+                            self.mixed(cx, *x, *y, l.span, r.span, span);
+                            return Error;
+                        }
+                        _ => {}
+                    }
+                    if let (Some(x), Some(y)) = (ma, mb)
+                        && x != y
+                    {
+                        self.loss_of_another_model(cx, *x, l.span, *y, r.span, false);
                         return Error;
                     }
-                    _ => Some(Loss(a.or(*b))),
-                },
-                (Loss(a), Int | Float) if matches!(op, B::Mul | B::Div) => Some(Loss(*a)),
-                (Int | Float, Loss(a)) if op == B::Mul => Some(Loss(*a)),
+                    Some(Loss(a.or(*b), ma.or(*mb)))
+                }
+                (Loss(a, m), Int | Float) if matches!(op, B::Mul | B::Div) => {
+                    if !self.scales_a_loss(r) {
+                        return Error;
+                    }
+                    Some(Loss(*a, *m))
+                }
+                (Int | Float, Loss(a, m)) if op == B::Mul => {
+                    if !self.scales_a_loss(l) {
+                        return Error;
+                    }
+                    Some(Loss(*a, *m))
+                }
                 _ => None,
             },
             B::Eq | B::Ne | B::Lt | B::Le | B::Gt | B::Ge => match (&l.ty, &r.ty) {
                 (Int | Float, Int | Float) => Some(Bool),
                 (Bool, Bool) | (Str, Str) if matches!(op, B::Eq | B::Ne) => Some(Bool),
+                // In a loss body, comparisons are evaluated on all tokens at once.
+                (Tokens, Int | Float | Tokens) | (Int | Float, Tokens) if cx.loss.is_some() => {
+                    Some(TokenBools)
+                }
                 _ => None,
             },
             B::And | B::Or => match (&l.ty, &r.ty) {
                 (Bool, Bool) => Some(Bool),
+                (TokenBools, Bool | TokenBools) | (Bool, TokenBools) => Some(TokenBools),
                 _ => None,
             },
         };
@@ -642,6 +697,9 @@ impl<'a> Checker<'a> {
                         "compare numbers with numbers, bools with bools, strings with strings"
                     }
                     B::Lt | B::Le | B::Gt | B::Ge => "order comparisons apply to numbers",
+                    _ if matches!(l.ty, Loss(..)) || matches!(r.ty, Loss(..)) => {
+                        "a loss is one number for the whole mini-batch and combines only linearly: add or subtract losses and scale them by constants; compute products per token before reducing (`batch_mean(a * b)`)"
+                    }
                     _ => {
                         "arithmetic applies to numbers, per-token and per-sample values of one rollout, and losses (`+`, and `*` by a number)"
                     }
@@ -677,7 +735,8 @@ impl<'a> Checker<'a> {
     ) -> Expr {
         let in_pipeline = self.not_in_pipeline(cx, "`if`", span);
         let c = self.expr(cx, cond);
-        if !matches!(c.ty, Ty::Bool | Ty::Error) {
+        let elementwise = c.ty == Ty::TokenBools;
+        if !matches!(c.ty, Ty::Bool | Ty::Error | Ty::TokenBools) {
             self.report(
                 err(
                     Code::E0301,
@@ -697,12 +756,33 @@ impl<'a> Checker<'a> {
             return error_expr(span);
         }
         let gran = c.gran.max(t.value.gran).max(e.gran);
-        let ty = match (&t.value.ty, &e.ty) {
-            (Ty::Error, x) | (x, Ty::Error) => x.clone(),
-            (a, b) if a == b => a.clone(),
-            (Ty::Int, Ty::Float) | (Ty::Float, Ty::Int) => Ty::Float,
-            (Ty::Tokens, Ty::Int | Ty::Float) | (Ty::Int | Ty::Float, Ty::Tokens) => Ty::Tokens,
-            (a, b) => {
+        let joined = match (&t.value.ty, &e.ty) {
+            (Ty::Error, x) | (x, Ty::Error) => Some(x.clone()),
+            (a, b) if a == b => Some(a.clone()),
+            (Ty::Int, Ty::Float) | (Ty::Float, Ty::Int) => Some(Ty::Float),
+            (Ty::Tokens, Ty::Int | Ty::Float) | (Ty::Int | Ty::Float, Ty::Tokens) => {
+                Some(Ty::Tokens)
+            }
+            (Ty::TokenBools, Ty::Bool) | (Ty::Bool, Ty::TokenBools) => Some(Ty::TokenBools),
+            _ => None,
+        };
+        // In a loss body an `if` on per-token or per-sample conditions selects per element; a
+        // choice between losses must be known before the run.
+        let joined = match joined {
+            Some(Ty::Loss(..)) if c.gran > Granularity::Scalar && !c.ty.is_error() => {
+                self.report(
+                    err(Code::E0311, "a choice between losses depends on per-sample values", c.span, "per-sample condition")
+                        .with_help("a loss is one number for the mini-batch: choose per token or sample inside the reduction (`batch_mean(if c { a } else { b })`), or on a constant"),
+                );
+                return error_expr(span);
+            }
+            Some(Ty::Int | Ty::Float) if elementwise => Some(Ty::Tokens),
+            Some(Ty::Bool) if elementwise => Some(Ty::TokenBools),
+            other => other,
+        };
+        let ty = match (joined, &t.value.ty, &e.ty) {
+            (Some(t), _, _) => t,
+            (None, a, b) => {
                 self.report(
                     err(
                         Code::E0307,
@@ -737,6 +817,10 @@ impl<'a> Checker<'a> {
 
     fn scan(&mut self, cx: &mut BodyCx, s: &ast::Scan, span: Span) -> Expr {
         if self.not_in_pipeline(cx, "`scan`", span) {
+            return error_expr(span);
+        }
+        if cx.loss.is_some() {
+            self.not_differentiable(span, "`scan`", "compute recurrences such as returns or GAE outside the loss (a `fn` in the pipeline) and pass them in");
             return error_expr(span);
         }
         let per_sample = matches!(
@@ -833,7 +917,7 @@ impl<'a> Checker<'a> {
 
     /// Binds positional and named arguments to parameters. Reports unknown, duplicate, missing
     /// and surplus arguments. Returns, per parameter, the argument expression if given.
-    fn bind_args<'e>(
+    pub(crate) fn bind_args<'e>(
         &mut self,
         what: &str,
         params: &[ParamSpec],
@@ -954,6 +1038,9 @@ impl<'a> Checker<'a> {
         if let Some(g) = self.scopes[cx.module].get(name).copied() {
             self.reference(id.span, g.def, g.span);
             return match g.def {
+                Def::Fn(f) if self.program.fns[f.0 as usize].is_loss() => {
+                    self.call_loss(cx, f, name, id.span, args, span)
+                }
                 Def::Fn(f) => {
                     let func = &self.program.fns[f.0 as usize];
                     let sig = func.signature();
@@ -1090,6 +1177,9 @@ impl<'a> Checker<'a> {
             })
             .collect();
         let bound = self.bind_args(&format!("`{name}`"), &specs, args, span);
+        if let Callee::Fn(f) = &callee {
+            self.check_where_literals(*f, &bound, span);
+        }
         let per_sample = sig.params.iter().any(|p| p.is_sample_valued());
         let mut out = Vec::new();
         let mut rollout: Option<(RolloutId, Span)> = None;
@@ -1222,11 +1312,16 @@ impl<'a> Checker<'a> {
         let wrong_place = match (b.place, cx.place) {
             (BP::Pipeline, Place::Pipeline) => false,
             (BP::Fn, Place::Fn { .. }) => false,
-            (BP::Fn, Place::Const) => true,
+            (BP::Loss, Place::Fn { .. }) => cx.loss.is_none(),
             _ => true,
         };
         if wrong_place {
-            let (msg, help) = if b.place == BP::Pipeline {
+            let (msg, help) = if b.place == BP::Loss {
+                (
+                    format!("`{}` can only be called in the body of a loss", b.name),
+                    "reductions to the loss and `stop_grad` belong in a `fn … -> Loss`, which `train` differentiates".to_string(),
+                )
+            } else if b.place == BP::Pipeline {
                 (
                     format!("`{}` can only be called in a pipeline body", b.name),
                     "model calls, `next`, losses and `by_prompt` build the pipeline's dataflow graph; a `fn` computes on one sample's values".to_string(),
@@ -1255,10 +1350,10 @@ impl<'a> Checker<'a> {
             })
             .collect();
         let bound = self.bind_args(&format!("`{}`", b.name), &specs, args, span);
-        if b.place == BP::Pipeline {
-            crate::builtins::pipeline_builtin(self, cx, b, &bound, span)
-        } else {
-            crate::builtins::fn_builtin(self, cx, b, &bound, span)
+        match b.place {
+            BP::Pipeline => crate::builtins::pipeline_builtin(self, cx, b, &bound, span),
+            BP::Loss => crate::loss::loss_builtin(self, cx, b, &bound, span),
+            BP::Fn => crate::builtins::fn_builtin(self, cx, b, &bound, span),
         }
     }
 

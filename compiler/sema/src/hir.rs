@@ -5,6 +5,7 @@
 use braid_diagnostics::{FileId, Span};
 
 pub use crate::ty::{Granularity, RolloutId, Scope, SigTy, Ty};
+pub use braid_ir::loss::ModelOutput;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct FnId(pub u32);
@@ -187,6 +188,12 @@ pub enum ExprKind {
     },
     Block(Body),
     Scan(Box<Scan>),
+    /// `policy.logp` in the body of a loss: an output of the model the loss trains (the local
+    /// of its `Model` parameter), per token, with gradients.
+    ModelOutput {
+        model: LocalId,
+        output: ModelOutput,
+    },
     /// Something that did not check; a diagnostic was reported.
     Error,
 }
@@ -245,7 +252,30 @@ pub struct Param {
     pub name: String,
     pub ty: SigTy,
     pub default: Option<Expr>,
+    /// `where CONDITION` on a `fn` parameter: which values it accepts, checked wherever a call
+    /// gives it a constant (E0404). Its locals are the function's own parameters.
+    pub where_: Option<Expr>,
     pub span: Span,
+}
+
+/// What makes a `fn … -> Loss` a loss: the model it trains and the metrics it declares.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LossFn {
+    /// The index of the `Model` parameter: the model whose outputs the body reads.
+    pub model_param: u32,
+    /// The outputs the body reads directly (not through the losses it calls).
+    pub outputs: Vec<ModelOutput>,
+    /// `metric NAME = EXPR`, in order.
+    pub metrics: Vec<Metric>,
+}
+
+/// A diagnostic a loss declares: reported as the mean of a per-token or per-sample value over
+/// what its `train` call processes.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Metric {
+    pub name: String,
+    pub span: Span,
+    pub value: Expr,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -258,11 +288,21 @@ pub struct Fn {
     pub scope: Scope,
     pub body: Body,
     pub locals: Vec<Local>,
+    /// `Some` for a loss (a `fn` that returns `Loss`).
+    pub loss: Option<LossFn>,
+    /// Locals of the `where` conditions of the parameters (each condition's parameters).
+    pub where_locals: Vec<Local>,
     pub name_span: Span,
     pub span: Span,
 }
 
 impl Fn {
+    /// Whether this is a loss: a `fn` that returns `Loss`, differentiated rather than compiled
+    /// to a kernel.
+    pub fn is_loss(&self) -> bool {
+        self.ret == SigTy::Loss
+    }
+
     /// Whether the function is written for one sample and applied to every sample of a rollout.
     pub fn is_per_sample(&self) -> bool {
         self.params.iter().any(|p| p.ty.is_sample_valued())
@@ -556,6 +596,15 @@ pub struct ModelCall {
     pub span: Span,
 }
 
+/// A call of a loss in a pipeline body.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LossCall {
+    pub f: FnId,
+    /// The Model-typed local passed as the loss's model.
+    pub model: LocalId,
+    pub span: Span,
+}
+
 impl Pipeline {
     /// The model calls of the `each` body, in source order.
     pub fn model_calls(&self) -> Vec<ModelCall> {
@@ -605,6 +654,48 @@ impl Pipeline {
         out
     }
 
+    /// The calls of losses in the `each` body, in source order: which loss, on which model.
+    pub fn loss_calls(&self, fns: &[Fn]) -> Vec<LossCall> {
+        fn walk(e: &Expr, fns: &[Fn], out: &mut Vec<LossCall>) {
+            match &e.kind {
+                ExprKind::Call { callee, args, .. } => {
+                    for a in args {
+                        walk(a, fns, out);
+                    }
+                    if let Callee::Fn(f) = callee
+                        && let Some(loss) = fns.get(f.0 as usize).and_then(|x| x.loss.as_ref())
+                        && let Some(Expr {
+                            kind: ExprKind::Ref(Def::Local(l)),
+                            ..
+                        }) = args.get(loss.model_param as usize)
+                    {
+                        out.push(LossCall {
+                            f: *f,
+                            model: *l,
+                            span: e.span,
+                        });
+                    }
+                }
+                ExprKind::Unary { operand, .. } => walk(operand, fns, out),
+                ExprKind::Binary { lhs, rhs, .. } => {
+                    walk(lhs, fns, out);
+                    walk(rhs, fns, out);
+                }
+                _ => {}
+            }
+        }
+        let mut out = Vec::new();
+        if let Some(each) = &self.each {
+            for s in &each.stmts {
+                match s {
+                    Stmt::Let(_, e) | Stmt::Expr(e) => walk(e, fns, &mut out),
+                }
+            }
+        }
+        out.sort_by_key(|c| (c.span.start, c.span.end));
+        out
+    }
+
     /// The model a Model-typed local stands for: its signature parameter index, following
     /// local frozen copies; and whether the path went through a frozen copy.
     pub fn model_param(&self, l: LocalId) -> Option<(u32, bool)> {
@@ -626,11 +717,89 @@ impl Pipeline {
 }
 
 impl Program {
+    /// The model outputs a loss reads, directly or through the losses it calls.
+    pub fn loss_outputs(&self, f: FnId) -> Vec<ModelOutput> {
+        let mut out = Vec::new();
+        let mut seen = std::collections::BTreeSet::new();
+        let mut todo = vec![f];
+        while let Some(g) = todo.pop() {
+            if !seen.insert(g) {
+                continue;
+            }
+            let Some(func) = self.fns.get(g.0 as usize) else {
+                continue;
+            };
+            if let Some(loss) = &func.loss {
+                out.extend(loss.outputs.iter().copied());
+            }
+            fn calls(e: &Expr, out: &mut Vec<FnId>) {
+                crate::hir::visit(e, &mut |x| {
+                    if let ExprKind::Call {
+                        callee: Callee::Fn(f),
+                        ..
+                    } = &x.kind
+                    {
+                        out.push(*f);
+                    }
+                });
+            }
+            for (_, e) in &func.body.lets {
+                calls(e, &mut todo);
+            }
+            calls(&func.body.value, &mut todo);
+        }
+        out.sort();
+        out.dedup();
+        out
+    }
+
     pub fn fn_by_name(&self, name: &str) -> Option<&Fn> {
         self.fns.iter().find(|f| f.name == name)
     }
 
     pub fn pipeline_by_name(&self, name: &str) -> Option<&Pipeline> {
         self.pipelines.iter().find(|p| p.name == name)
+    }
+}
+
+/// Calls `f` on `e` and every expression inside it, parents before children.
+pub fn visit(e: &Expr, f: &mut dyn FnMut(&Expr)) {
+    f(e);
+    let body = |b: &Body, f: &mut dyn FnMut(&Expr)| {
+        for (_, x) in &b.lets {
+            visit(x, f);
+        }
+        visit(&b.value, f);
+    };
+    match &e.kind {
+        ExprKind::Call { args, .. } => {
+            for a in args {
+                visit(a, f);
+            }
+        }
+        ExprKind::Field { base, .. } => visit(base, f),
+        ExprKind::Index { base, index } => {
+            visit(base, f);
+            visit(index, f);
+        }
+        ExprKind::Unary { operand, .. } => visit(operand, f),
+        ExprKind::Binary { lhs, rhs, .. } => {
+            visit(lhs, f);
+            visit(rhs, f);
+        }
+        ExprKind::If { cond, then, else_ } => {
+            visit(cond, f);
+            body(then, f);
+            visit(else_, f);
+        }
+        ExprKind::Block(b) => body(b, f),
+        ExprKind::Scan(s) => {
+            visit(&s.init, f);
+            for (_, x) in &s.lets {
+                visit(x, f);
+            }
+            visit(&s.value, f);
+        }
+        ExprKind::Lit(_) | ExprKind::Ref(_) | ExprKind::ModelOutput { .. } | ExprKind::Error => {}
     }
 }

@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use braid_diagnostics::{Code, Diagnostic, Span};
 use braid_syntax::ast;
 
-use crate::check::{BodyCx, Checker, Global, Place, mk, suggest};
+use crate::check::{BodyCx, Checker, Global, LossCx, Place, mk, suggest};
 use crate::hir::*;
 use crate::load::Module;
 
@@ -94,6 +94,8 @@ impl<'a> Checker<'a> {
     pub(crate) fn fn_signatures(&mut self) {
         for i in 0..self.fn_asts.len() {
             let (mi, f) = self.fn_asts[i];
+            let ret = self.sig_ty(&f.ret);
+            let is_loss = ret == SigTy::Loss;
             let mut params: Vec<Param> = Vec::new();
             for p in &f.params {
                 if let Some(prev) = params.iter().find(|q| q.name == p.name.name) {
@@ -108,10 +110,21 @@ impl<'a> Checker<'a> {
                     self.report(d);
                 }
                 let ty = self.sig_ty(&p.ty);
-                if !(matches!(ty, SigTy::Error) || ty.is_scalar() || ty.is_sample_valued()) {
+                if is_loss {
+                    if !(matches!(
+                        ty,
+                        SigTy::Error | SigTy::Model | SigTy::PerToken | SigTy::PerSample
+                    ) || ty.is_scalar())
+                    {
+                        self.report(
+                            err(Code::E0301, format!("a loss parameter cannot be a {ty}"), p.ty.span(), "not allowed here")
+                                .with_help("a loss takes the model it trains (`Model`), per-token and per-sample values computed outside it, and constants (int, float, bool, string)"),
+                        );
+                    }
+                } else if !(matches!(ty, SigTy::Error) || ty.is_scalar() || ty.is_sample_valued()) {
                     self.report(
                         err(Code::E0301, format!("a `fn` parameter cannot be a {ty}"), p.ty.span(), "not allowed here")
-                            .with_help("`fn` parameters are int, float, bool, string, Sample, PerToken or PerSample; models and data belong to pipelines"),
+                            .with_help("`fn` parameters are int, float, bool, string, Sample, PerToken or PerSample; models and data belong to pipelines (a loss, a `fn … -> Loss`, takes the `Model` it trains)"),
                     );
                 }
                 let default = p.default.as_ref().map(|d| self.const_default(mi, d, &ty));
@@ -119,10 +132,10 @@ impl<'a> Checker<'a> {
                     name: p.name.name.clone(),
                     ty,
                     default,
+                    where_: None,
                     span: p.name.span,
                 });
             }
-            let ret = self.sig_ty(&f.ret);
             if !matches!(
                 ret,
                 SigTy::Int
@@ -131,16 +144,30 @@ impl<'a> Checker<'a> {
                     | SigTy::Str
                     | SigTy::PerToken
                     | SigTy::PerSample
+                    | SigTy::Loss
                     | SigTy::Error
             ) {
                 self.report(
                     err(Code::E0301, format!("a `fn` cannot return a {ret}"), f.ret.span(), "not allowed here")
-                        .with_help("a `fn` returns a scalar (int, float, bool, string), a PerSample or a PerToken"),
+                        .with_help("a `fn` returns a scalar (int, float, bool, string), a PerSample, a PerToken, or a Loss"),
                 );
             }
+            let where_locals = self.param_wheres(mi, f, &mut params);
+            let loss = if is_loss {
+                self.loss_signature(f, &params)
+            } else {
+                None
+            };
             let per_sample = params.iter().any(|p| p.ty.is_sample_valued());
             let scope = match &f.over {
                 None => Scope::Sample,
+                Some(o) if is_loss => {
+                    self.report(
+                        err(Code::E0311, "a loss takes no `over`", o.span, "`over` here")
+                            .with_help("a loss reduces over the mini-batch with `batch_mean`, `batch_sum` and `group_mean`"),
+                    );
+                    Scope::Sample
+                }
                 Some(o) => match o.name.as_str() {
                     "group" | "batch" if !per_sample => {
                         self.report(
@@ -179,10 +206,126 @@ impl<'a> Checker<'a> {
                     value: Box::new(mk(ExprKind::Error, Ty::Error, Granularity::Scalar, f.span)),
                 },
                 locals: vec![],
+                loss,
+                where_locals,
                 name_span: f.name.span,
                 span: f.span,
             });
             self.fn_calls.push(BTreeSet::new());
+        }
+    }
+
+    /// The `where` conditions of a `fn`'s parameters: bools over its constant parameters,
+    /// satisfied by the defaults. Returns the locals the conditions refer to.
+    fn param_wheres(&mut self, mi: usize, f: &ast::FnDecl, params: &mut [Param]) -> Vec<Local> {
+        if f.params.iter().all(|p| p.where_.is_none()) {
+            return Vec::new();
+        }
+        let mut cx = BodyCx::new(Place::Const, mi);
+        for (pi, p) in params.iter().enumerate() {
+            if p.ty.is_scalar() {
+                let id = cx.add_local(
+                    &p.name,
+                    LocalKind::Param(pi as u32),
+                    p.ty.in_fn_body(),
+                    p.span,
+                );
+                cx.locals[id.0 as usize].uses += 1;
+            }
+        }
+        let mut defaults: BTreeMap<String, Value> = BTreeMap::new();
+        for p in &f.params {
+            if let Some(v) = p
+                .default
+                .as_ref()
+                .and_then(|d| self.const_eval(d, &BTreeMap::new()).ok())
+            {
+                defaults.insert(p.name.name.clone(), v);
+            }
+        }
+        for (pi, p) in f.params.iter().enumerate() {
+            let Some(w) = &p.where_ else { continue };
+            let ty = params.get(pi).map_or(SigTy::Error, |x| x.ty.clone());
+            if !ty.is_scalar() && ty != SigTy::Error {
+                self.report(
+                    err(Code::E0301, format!("a `where` condition on a {ty} parameter"), w.span, "not a constant parameter")
+                        .with_help("`where` says which constants a parameter accepts: put it on an int, float, bool or string parameter"),
+                );
+                continue;
+            }
+            let x = self.expr(&mut cx, w);
+            if !matches!(x.ty, Ty::Bool | Ty::Error) {
+                self.report(
+                    err(
+                        Code::E0301,
+                        format!(
+                            "a `where` condition must be a bool, not a {}",
+                            x.ty.describe()
+                        ),
+                        x.span,
+                        "not a bool",
+                    )
+                    .with_help(format!(
+                        "write a comparison such as `{} > 0.0`",
+                        p.name.name
+                    )),
+                );
+            } else if p.default.is_some()
+                && let Ok(Value::Bool(false)) = self.const_eval(w, &defaults)
+            {
+                let cond = self.sources.snippet(w.span).to_string();
+                let span = p.default.as_ref().map_or(p.span, |d| d.span);
+                self.report(
+                    err(
+                        Code::E0404,
+                        format!("the default of `{}` must satisfy `{cond}`", p.name.name),
+                        span,
+                        "default here",
+                    )
+                    .with_label(w.span, "required here")
+                    .with_help("choose a default the condition accepts"),
+                );
+            }
+            if let Some(param) = params.get_mut(pi) {
+                param.where_ = Some(x);
+            }
+        }
+        cx.locals
+    }
+
+    /// A loss takes the model it trains as exactly one `Model` parameter.
+    fn loss_signature(&mut self, f: &ast::FnDecl, params: &[Param]) -> Option<LossFn> {
+        let models: Vec<usize> = params
+            .iter()
+            .enumerate()
+            .filter(|(_, p)| p.ty == SigTy::Model)
+            .map(|(i, _)| i)
+            .collect();
+        match models.as_slice() {
+            [one] => Some(LossFn {
+                model_param: *one as u32,
+                outputs: Vec::new(),
+                metrics: Vec::new(),
+            }),
+            [] => {
+                self.report(
+                    err(Code::E0301, format!("the loss `{}` has no `Model` parameter", f.name.name), f.name.span, "no model to train")
+                        .with_help("a loss takes the model it trains, whose outputs it reads: `fn my_loss(policy: Model, …) -> Loss { … policy.logp … }`"),
+                );
+                None
+            }
+            [first, second, ..] => {
+                self.report(
+                    err(Code::E0301, format!("the loss `{}` has more than one `Model` parameter", f.name.name), f.params[*second].ty.span(), "a second model")
+                        .with_help("a `train` call updates one model: a loss reads the outputs of one; pass what other models compute (`logprobs(ref, rollout)`) as per-token arguments"),
+                );
+                // The body is checked as a loss of the first.
+                Some(LossFn {
+                    model_param: *first as u32,
+                    outputs: Vec::new(),
+                    metrics: Vec::new(),
+                })
+            }
         }
     }
 
@@ -193,8 +336,18 @@ impl<'a> Checker<'a> {
                 let func = &self.program.fns[i];
                 (func.params.clone(), func.scope, func.ret.clone())
             };
-            let per_sample = params.iter().any(|p| p.ty.is_sample_valued());
+            let is_loss = ret == SigTy::Loss;
+            // A loss is written for one sample too, like a per-sample `fn`.
+            let per_sample = is_loss || params.iter().any(|p| p.ty.is_sample_valued());
             let mut cx = BodyCx::new(Place::Fn { scope, per_sample }, mi);
+            let model_param = self.program.fns[i].loss.as_ref().map(|l| l.model_param);
+            if is_loss {
+                cx.loss = Some(LossCx {
+                    // Without a valid `Model` parameter (reported), no name is the model.
+                    model: LocalId(u32::MAX),
+                    outputs: BTreeSet::new(),
+                });
+            }
             for (pi, p) in params.iter().enumerate() {
                 let gran = if p.ty.is_sample_valued() {
                     Granularity::PerSample
@@ -210,6 +363,11 @@ impl<'a> Checker<'a> {
                 );
                 // Parameters need not be used: a reward may ignore its sample.
                 cx.locals[id.0 as usize].uses += 1;
+                if model_param == Some(pi as u32)
+                    && let Some(l) = cx.loss.as_mut()
+                {
+                    l.model = id;
+                }
             }
             let body = self.block(&mut cx, &f.body);
             let got = body.value.ty.clone();
@@ -217,6 +375,7 @@ impl<'a> Checker<'a> {
                 (&ret, &got),
                 (_, Ty::Error)
                     | (SigTy::Error, _)
+                    | (SigTy::Loss, Ty::Loss(..))
                     | (SigTy::PerToken, Ty::Tokens)
                     | (SigTy::Float | SigTy::PerSample, Ty::Int | Ty::Float)
                     | (SigTy::Int, Ty::Int)
@@ -238,17 +397,30 @@ impl<'a> Checker<'a> {
                 .with_label(f.ret.span(), format!("declared to return {ret}"))
                 .with_help(if ret == SigTy::PerToken {
                     "a per-token result comes from per-token arithmetic or a `scan`"
+                } else if ret == SigTy::Loss {
+                    "a loss ends in a reduction over the mini-batch: `batch_mean(x)` (token mean), `batch_mean(mean(x))` (sequence mean), `batch_sum(x) / c`, `group_mean(x)`"
                 } else {
                     "make the body's last expression match the declared return type"
                 });
                 self.report(d);
             }
             self.fn_calls[i] = cx.calls.clone();
+            let metrics = std::mem::take(&mut cx.metrics);
+            let outputs: Vec<ModelOutput> = cx
+                .loss
+                .as_ref()
+                .map(|l| l.outputs.iter().copied().collect())
+                .unwrap_or_default();
             let func = &mut self.program.fns[i];
             func.body = body;
             func.locals = cx.locals;
+            if let Some(l) = func.loss.as_mut() {
+                l.metrics = metrics;
+                l.outputs = outputs;
+            }
         }
         self.recursion();
+        self.check_losses();
     }
 
     fn recursion(&mut self) {
@@ -479,6 +651,7 @@ impl<'a> Checker<'a> {
                 name: sp.name.name.clone(),
                 ty,
                 default,
+                where_: None,
                 span: sp.name.span,
             });
         }

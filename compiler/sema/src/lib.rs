@@ -8,11 +8,14 @@ mod check;
 pub mod hir;
 mod items;
 mod load;
+mod loss;
 pub mod lower_graph;
 pub mod lower_kernel;
+pub mod lower_loss;
 pub mod pretty;
 mod resources;
 mod run;
+mod specialise;
 pub mod ty;
 
 use braid_diagnostics::{Diagnostic, SourceMap};

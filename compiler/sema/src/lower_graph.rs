@@ -7,12 +7,13 @@
 use std::collections::BTreeMap;
 
 use braid_ir::graph::{
-    self as g, ArithOp, Const, DataTy, GenParams, Gran, LossKind, Node, NodeId, Op, Operand,
-    TaskGraph,
+    self as g, ArithOp, Const, DataTy, GenParams, Gran, Node, NodeId, Op, Operand, TaskGraph,
 };
+use braid_ir::loss::InputKind;
 
 use crate::hir::*;
 use crate::lower_kernel::{LowerError, lower_fn};
+use crate::lower_loss::{LossArg, LossTree, lower_objective};
 
 /// Drafted tokens of an `ngram(…)` pin without `max` (the engine's `--speculate ngram`).
 pub const DEFAULT_NGRAM_DRAFT: u32 = 4;
@@ -31,6 +32,9 @@ enum Lv {
     Dataset(u32),
     /// A function-valued parameter bound to a `fn`.
     Fn(FnId),
+    /// A loss, lowered to an objective node when a `train` receives it (so that one node holds
+    /// the whole objective of the `train`, sums included).
+    Loss(LossTree),
 }
 
 /// Lowers the program's run. `Err` when the program has no run or something cannot be lowered.
@@ -201,7 +205,7 @@ fn data_ty(t: &Ty) -> Option<DataTy> {
         Ty::Rollout(..) => DataTy::Rollout,
         Ty::PerToken(_) => DataTy::PerToken,
         Ty::PerSample(_) => DataTy::PerSample,
-        Ty::Loss(_) => DataTy::Loss,
+        Ty::Loss(..) => DataTy::Loss,
         Ty::Unit => DataTy::Unit,
         _ => return None,
     })
@@ -402,6 +406,7 @@ impl Cx<'_> {
                 (UnaryOp::Neg, Lv::Const(Const::Int(i))) => Ok(Lv::Const(Const::Int(-i))),
                 (UnaryOp::Neg, Lv::Const(Const::Float(x))) => Ok(Lv::Const(Const::Float(-x))),
                 (UnaryOp::Not, Lv::Const(Const::Bool(b))) => Ok(Lv::Const(Const::Bool(!b))),
+                (UnaryOp::Neg, Lv::Loss(l)) => Ok(Lv::Loss(LossTree::Neg(Box::new(l)))),
                 (UnaryOp::Neg, Lv::Node(n)) => {
                     let r = self.rollout_node(&e.ty)?;
                     let mut inputs = vec![r];
@@ -434,7 +439,10 @@ impl Cx<'_> {
                 self.expr(&b.value)
             }
             ExprKind::Call { callee, args, .. } => self.call(e, callee, args),
-            ExprKind::Field { .. } | ExprKind::Index { .. } | ExprKind::Scan(_) => {
+            ExprKind::Field { .. }
+            | ExprKind::Index { .. }
+            | ExprKind::Scan(_)
+            | ExprKind::ModelOutput { .. } => {
                 err("sample fields, indexing and `scan` belong in a `fn`")
             }
             ExprKind::Error => err("the program has errors"),
@@ -442,28 +450,30 @@ impl Cx<'_> {
     }
 
     fn binary(&mut self, e: &Expr, op: BinaryOp, lhs: &Expr, rhs: &Expr) -> Result<Lv, LowerError> {
-        if let (Ty::Loss(_), BinaryOp::Add) = (&e.ty, op) {
-            let r = self.rollout_node(&e.ty)?;
-            let mut terms = Vec::new();
-            for side in [lhs, rhs] {
-                let n = self.node_of(side)?;
-                // Flatten sums of sums.
-                match self.graph.node(n).map(|x| &x.op) {
-                    Some(Op::LossSum { .. }) => {
-                        terms.extend(self.graph.inputs(n).into_iter().skip(1))
-                    }
-                    _ => terms.push(n),
-                }
-            }
-            let mut inputs = vec![r];
-            inputs.extend(terms.iter().copied());
-            let op = Op::LossSum {
-                terms: terms.len() as u32,
-            };
-            return Ok(Lv::Node(self.add(op, e, &inputs)?));
-        }
         let a = self.expr(lhs)?;
         let b = self.expr(rhs)?;
+        if let Ty::Loss(..) = &e.ty {
+            let number = |c: &Const| c.as_f64().filter(|_| !matches!(c, Const::Bool(_)));
+            let tree = match (op, a, b) {
+                (BinaryOp::Add, Lv::Loss(x), Lv::Loss(y)) => {
+                    LossTree::Add(Box::new(x), Box::new(y))
+                }
+                (BinaryOp::Sub, Lv::Loss(x), Lv::Loss(y)) => {
+                    LossTree::Sub(Box::new(x), Box::new(y))
+                }
+                (BinaryOp::Mul, Lv::Loss(x), Lv::Const(c))
+                | (BinaryOp::Mul, Lv::Const(c), Lv::Loss(x)) => match number(&c) {
+                    Some(k) => LossTree::Scale(Box::new(x), k),
+                    None => return err("a loss is scaled by something that is not a number"),
+                },
+                (BinaryOp::Div, Lv::Loss(x), Lv::Const(c)) => match number(&c) {
+                    Some(k) => LossTree::Div(Box::new(x), k),
+                    None => return err("a loss is divided by something that is not a number"),
+                },
+                _ => return err(format!("`{}` of losses cannot be lowered", op.as_str())),
+            };
+            return Ok(Lv::Loss(tree));
+        }
         if let (Lv::Const(x), Lv::Const(y)) = (&a, &b) {
             return fold(op, x, y).map(Lv::Const);
         }
@@ -540,10 +550,19 @@ impl Cx<'_> {
             ModelOp::Values => Op::Values { model },
             ModelOp::Score => Op::Score { model },
             ModelOp::Train => {
-                let loss = match args.get(2) {
-                    Some(a) => self.node_of(a)?,
-                    None => return err("`train` without a loss"),
+                let Some(loss_expr) = args.get(2) else {
+                    return err("`train` without a loss");
                 };
+                let Lv::Loss(tree) = self.expr(loss_expr)? else {
+                    return err("`train` is given something that is not a loss");
+                };
+                if tree.models().iter().any(|m| *m != model) {
+                    return err("`train` is given a loss of another model");
+                }
+                let (objective, nodes) = lower_objective(self.program, &tree)?;
+                let mut inputs = vec![data];
+                inputs.extend(nodes);
+                let loss = self.add(Op::Loss { objective }, loss_expr, &inputs)?;
                 let epochs = self.int_arg(args.get(3), "epochs")?;
                 let minibatches = self.int_arg(args.get(4), "minibatches")?;
                 let id = self.add(
@@ -566,14 +585,14 @@ impl Cx<'_> {
     }
 
     fn builtin(&mut self, e: &Expr, name: &str, args: &[Expr]) -> Result<Lv, LowerError> {
-        let loss = match name {
+        match name {
             "next" => {
                 let Some(Lv::Dataset(d)) = args.first().map(|a| self.expr(a)).transpose()? else {
                     return err("`next` takes a dataset");
                 };
                 let count = self.int_arg(args.get(1), "n")?;
                 let op = Op::Next { dataset: d, count };
-                return Ok(Lv::Node(self.add(op, e, &[])?));
+                Ok(Lv::Node(self.add(op, e, &[])?))
             }
             "by_prompt" => {
                 let (Some(v), Some(like)) = (args.first(), args.get(1)) else {
@@ -582,41 +601,47 @@ impl Cx<'_> {
                 let value = self.node_of(v)?;
                 let like = self.node_of(like)?;
                 let vr = self.rollout_node(&v.ty)?;
-                return Ok(Lv::Node(self.add(Op::ByPrompt, e, &[like, value, vr])?));
+                Ok(Lv::Node(self.add(Op::ByPrompt, e, &[like, value, vr])?))
             }
-            "ppo_loss" => LossKind::Ppo,
-            "value_loss" => LossKind::Value,
-            "grpo_loss" => LossKind::Grpo,
-            "kl_loss" => LossKind::Kl,
-            other => {
-                return err(format!(
-                    "`{other}` on per-sample or per-token values belongs in a `fn`"
-                ));
-            }
-        };
-        if args.len() != loss.arity() {
-            return err(format!("`{name}` takes {} arguments", loss.arity()));
+            other => err(format!(
+                "`{other}` on per-sample or per-token values belongs in a `fn`"
+            )),
         }
-        let r = self.rollout_node(&e.ty)?;
-        let mut inputs = vec![r];
-        let mut ops = Vec::new();
+    }
+
+    /// A loss call: its arguments, kept until a `train` lowers the loss to an objective.
+    fn loss_call(&mut self, f: FnId, args: &[Expr]) -> Result<Lv, LowerError> {
+        let mut out = Vec::new();
         for a in args {
-            ops.push(self.operand(a, &mut inputs)?);
+            out.push(match self.expr(a)? {
+                Lv::Node(node) => {
+                    let kind = match self.graph.node(node).map(|n| n.ty) {
+                        Some(DataTy::PerToken) => InputKind::PerToken,
+                        Some(DataTy::PerSample) => InputKind::PerSample,
+                        _ => return err("a loss argument is not a per-token or per-sample value"),
+                    };
+                    LossArg::Node { node, kind }
+                }
+                Lv::Const(c) => LossArg::Const(match c {
+                    Const::Int(i) => Value::Int(i),
+                    Const::Float(x) => Value::Float(x),
+                    Const::Bool(b) => Value::Bool(b),
+                    Const::Str(s) => Value::Str(s),
+                }),
+                Lv::Model(m) => LossArg::Model(m),
+                _ => return err("a loss argument is a dataset, a function or a loss"),
+            });
         }
-        Ok(Lv::Node(self.add(
-            Op::Loss {
-                kind: loss,
-                args: ops,
-            },
-            e,
-            &inputs,
-        )?))
+        Ok(Lv::Loss(LossTree::Call { f, args: out }))
     }
 
     fn fn_call(&mut self, e: &Expr, f: FnId, args: &[Expr]) -> Result<Lv, LowerError> {
         let Some(func) = self.program.fns.get(f.0 as usize) else {
             return err(format!("no function #{}", f.0));
         };
+        if func.is_loss() {
+            return self.loss_call(f, args);
+        }
         // A kernel runs over a rollout's samples; a call on constants alone has none.
         let r = match e.ty.rollout() {
             Some(_) => self.rollout_node(&e.ty)?,

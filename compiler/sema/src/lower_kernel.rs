@@ -273,6 +273,9 @@ impl Lower<'_> {
                 LVal::V(self.b.end_scan(h, next))
             }
             ExprKind::Call { callee, args, .. } => self.call(locals, env, callee, args)?,
+            ExprKind::ModelOutput { .. } => {
+                return err("a model's outputs are read only in a loss, not in a kernel");
+            }
             ExprKind::Error => return err("the function has errors"),
         })
     }

@@ -75,9 +75,15 @@ fn write_fn(out: &mut String, p: &Program, f: &Fn) {
     let params: Vec<String> = f
         .params
         .iter()
-        .map(|x| match &x.default {
-            Some(d) => format!("{}: {} = {}", x.name, x.ty, expr(p, &f.locals, d)),
-            None => format!("{}: {}", x.name, x.ty),
+        .map(|x| {
+            let mut s = match &x.default {
+                Some(d) => format!("{}: {} = {}", x.name, x.ty, expr(p, &f.locals, d)),
+                None => format!("{}: {}", x.name, x.ty),
+            };
+            if let Some(w) = &x.where_ {
+                s.push_str(&format!(" where {}", expr(p, &f.where_locals, w)));
+            }
+            s
         })
         .collect();
     let _ = writeln!(
@@ -96,6 +102,16 @@ fn write_fn(out: &mut String, p: &Program, f: &Fn) {
             local(&f.locals, *l),
             expr(p, &f.locals, e)
         );
+    }
+    if let Some(l) = &f.loss {
+        for m in &l.metrics {
+            let _ = writeln!(
+                out,
+                "  metric {} = {}",
+                m.name,
+                expr(p, &f.locals, &m.value)
+            );
+        }
     }
     let _ = writeln!(out, "  {}", expr(p, &f.locals, &f.body.value));
 }
@@ -244,6 +260,9 @@ pub fn expr(p: &Program, locals: &[Local], e: &Expr) -> String {
                 lets.join(""),
                 expr(p, locals, &s.value)
             )
+        }
+        ExprKind::ModelOutput { model, output } => {
+            format!("{}.{}", local(locals, *model), output.name())
         }
         ExprKind::Error => "<error>".to_string(),
     };

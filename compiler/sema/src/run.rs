@@ -440,6 +440,16 @@ impl Checker<'_> {
             }
         }
         self.model_rules(&pl, &args, &arg_spans);
+        if ok {
+            let written: BTreeMap<String, (Value, Span)> = settings
+                .iter()
+                .map(|(k, v)| {
+                    let span = given.get(k).map_or(r.span, |g| g.2);
+                    (k.clone(), (v.clone(), span))
+                })
+                .collect();
+            self.check_run_wheres(&pl, &written, &args, &arg_spans, r.span);
+        }
         ok.then_some(Run {
             pipeline: pid,
             args,
@@ -750,8 +760,8 @@ impl Checker<'_> {
         }
     }
 
-    /// Heads and training: every model call must find the head it needs, and every trained
-    /// model must declare `train:`.
+    /// Heads and training: every model call must find the head it needs, every loss the
+    /// outputs it reads, and every trained model must declare `train:`.
     fn model_rules(&mut self, pl: &Pipeline, args: &[RunArg], arg_spans: &[Span]) {
         let mut reported: BTreeSet<(u32, &'static str)> = BTreeSet::new();
         for call in pl.model_calls() {
@@ -824,6 +834,53 @@ impl Checker<'_> {
                     model.name
                 ));
                 self.report(d);
+            }
+        }
+        for call in pl.loss_calls(&self.program.fns) {
+            let Some((pi, _)) = pl.model_param(call.model) else {
+                continue;
+            };
+            let Some(RunArg::Model(mid)) = args.get(pi as usize) else {
+                continue;
+            };
+            let model = self.program.models[mid.0 as usize].clone();
+            let arg_span = arg_spans
+                .get(pi as usize)
+                .copied()
+                .unwrap_or(model.name_span);
+            let loss_name = self.program.fns[call.f.0 as usize].name.clone();
+            for out in self.program.loss_outputs(call.f) {
+                let need = match out {
+                    ModelOutput::Logp | ModelOutput::Entropy => Head::Lm,
+                    ModelOutput::Value => Head::Value,
+                };
+                // One report per model and head: a `values` call on the same model says it.
+                let key = if need == Head::Value {
+                    "values"
+                } else {
+                    "logprobs"
+                };
+                if model.head != need && reported.insert((mid.0, key)) {
+                    let d = err(
+                        Code::E0410,
+                        format!(
+                            "`{loss_name}` reads `.{}`, which needs a model with a `{}` head, but `{}` has a `{}` head",
+                            out.name(),
+                            need.as_str(),
+                            model.name,
+                            model.head.as_str()
+                        ),
+                        arg_span,
+                        format!("`{}` has head `{}`", model.name, model.head.as_str()),
+                    )
+                    .with_label(call.span, format!("`{loss_name}` here"))
+                    .with_label(model.name_span, "model declared here")
+                    .with_help(format!(
+                        "declare the model with `{{ head: {} }}`, or train it with a loss that reads what its head gives",
+                        need.as_str()
+                    ));
+                    self.report(d);
+                }
             }
         }
     }

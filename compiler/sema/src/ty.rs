@@ -140,7 +140,8 @@ impl SigTy {
             SigTy::Error => Ty::Error,
             SigTy::Model => Ty::Model,
             SigTy::Dataset => Ty::Dataset,
-            SigTy::PromptBatch | SigTy::Rollout | SigTy::Loss => Ty::Error,
+            SigTy::Loss => Ty::Loss(None, None),
+            SigTy::PromptBatch | SigTy::Rollout => Ty::Error,
         }
     }
 }
@@ -190,10 +191,15 @@ pub enum Ty {
     Sample,
     /// One sample's per-token values, in a `fn` body.
     Tokens,
+    /// One sample's per-token booleans, in the body of a loss (a comparison of per-token
+    /// values, evaluated elementwise).
+    TokenBools,
     PerToken(RolloutId),
     PerSample(RolloutId),
-    /// A loss over the samples of a rollout (`None`: any rollout, e.g. a sum of constants).
-    Loss(Option<RolloutId>),
+    /// A loss over the samples of a rollout, computed with the outputs of a model (a
+    /// Model-typed local of the pipeline). `None`: not known here — inside a loss body, where
+    /// the loss belongs to the body's own model and to whatever rollout it is trained on.
+    Loss(Option<RolloutId>, Option<crate::hir::LocalId>),
     Fn(FnSig),
     /// `adamw(...)` in a `train:` option.
     Optimizer,
@@ -214,7 +220,7 @@ impl Ty {
     pub fn rollout(&self) -> Option<RolloutId> {
         match self {
             Ty::Rollout(r, _) | Ty::PerToken(r) | Ty::PerSample(r) => Some(*r),
-            Ty::Loss(r) => *r,
+            Ty::Loss(r, _) => *r,
             _ => None,
         }
     }
@@ -233,9 +239,10 @@ impl Ty {
             Ty::Rollout(..) => "Rollout".into(),
             Ty::Sample => "Sample".into(),
             Ty::Tokens => "PerToken".into(),
+            Ty::TokenBools => "per-token bool".into(),
             Ty::PerToken(_) => "PerToken".into(),
             Ty::PerSample(_) => "PerSample".into(),
-            Ty::Loss(_) => "Loss".into(),
+            Ty::Loss(..) => "Loss".into(),
             Ty::Fn(s) => s.to_string(),
             Ty::Optimizer => "Optimizer".into(),
             Ty::Error => "{unknown}".into(),
@@ -250,7 +257,8 @@ impl fmt::Display for Ty {
             Ty::PerSample(r) => write!(f, "PerSample<r{}>", r.0),
             Ty::Rollout(r, b) => write!(f, "Rollout<r{}, b{}>", r.0, b.0),
             Ty::PromptBatch(b) => write!(f, "PromptBatch<b{}>", b.0),
-            Ty::Loss(Some(r)) => write!(f, "Loss<r{}>", r.0),
+            Ty::Loss(Some(r), Some(m)) => write!(f, "Loss<r{}, l{}>", r.0, m.0),
+            Ty::Loss(Some(r), None) => write!(f, "Loss<r{}>", r.0),
             _ => f.write_str(&self.describe()),
         }
     }

@@ -27,6 +27,7 @@ fn text(plan: &Plan) -> String {
         ));
     }
     s.push_str(&plan.graph_text());
+    s.push_str(&plan.losses_text());
     s
 }
 
@@ -74,6 +75,18 @@ fn stdlib_pipelines_lower_to_verified_graphs() {
             "run grpo(policy, prompts, reward: r) {\n  steps: 3\n  batch: 4\n  group: 2\n  variant: \"dr_grpo\"\n}",
         ),
         (
+            "grpo_gspo",
+            "run grpo(policy, prompts, reward: r) {\n  steps: 3\n  batch: 4\n  group: 2\n  variant: \"gspo\"\n  clip: 3e-4\n  clip_high: 4e-4\n}",
+        ),
+        (
+            "grpo_dapo",
+            "run grpo(policy, prompts, reward: r) {\n  steps: 3\n  batch: 4\n  group: 2\n  variant: \"dapo\"\n  kl_coef: 0.0\n}",
+        ),
+        (
+            "grpo_cispo",
+            "run grpo(policy, prompts, reward: r) {\n  steps: 3\n  batch: 4\n  group: 2\n  variant: \"cispo\"\n}",
+        ),
+        (
             "rloo",
             "run rloo(policy, prompts, reward: r) {\n  steps: 3\n  batch: 4\n}",
         ),
@@ -95,7 +108,11 @@ fn stdlib_pipelines_lower_to_verified_graphs() {
         ),
     ];
     for (name, run) in runs {
-        let module = name.trim_end_matches("_dr").trim_end_matches("_fn");
+        let module = match name {
+            n if n.starts_with("grpo") => "grpo",
+            "ppo_fn" => "ppo",
+            n => n,
+        };
         let src = format!("use std::{module}\n{MODELS}\n{run}\n");
         let plan = lower(&format!("{name}.rlhf"), &src);
         plan.graph.verify().unwrap();

@@ -168,7 +168,6 @@ impl<'p> Executor<'p> {
         Ok(Arc::new(RolloutData {
             samples,
             records: d.records.clone(),
-            max_new_tokens: p.max_new_tokens,
             temperature,
         }))
     }

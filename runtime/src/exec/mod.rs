@@ -28,9 +28,7 @@ use std::time::Instant;
 
 use braid_cost::sim::Span;
 use braid_ir::exec_plan::ExecPlan;
-use braid_ir::graph::{
-    ArithOp, Const, LossKind, ModelSource, ModelSpec, NodeId, Op, Operand, Plan,
-};
+use braid_ir::graph::{ArithOp, Const, ModelSource, ModelSpec, NodeId, Op, Operand, Plan};
 use braid_ir::kernel::{Arg, Batch, KernelExec, Output, ParamKind, Ragged, SampleText, ScalarTy};
 use braid_jit::{CompiledKernel, Jit};
 use tch::{Device, Kind, Tensor};
@@ -46,7 +44,7 @@ use crate::models::tokenizer::{ChatMessage, Tokenizer};
 use crate::rng::{Rng, derive};
 use crate::training::checkpoint::{self, State};
 use crate::training::infer::{self, InferOptions, Rollout};
-use crate::training::loss::{self, Agg, Layout};
+use crate::training::objective::{self, Layout};
 use crate::training::optim::AdamW;
 
 mod comm;
@@ -315,45 +313,29 @@ impl<'p> Executor<'p> {
                 }
                 Op::Arith { op, args } => arith(*op, args, &inputs, &vals)?,
                 Op::ByPrompt => by_prompt(&inputs, &vals)?,
-                Op::Loss { kind, args } => {
+                Op::Loss { .. } => {
+                    // Input 0 is the rollout; the others are the objective's inputs in order.
                     let mut resolved = Vec::new();
-                    for a in args {
-                        resolved.push(match a {
-                            Operand::Const(c) => LossArg::Const(c.clone()),
-                            Operand::Input(p)
-                                if inputs
-                                    .get(*p as usize)
-                                    .is_some_and(|n| self.reused.contains(n)) =>
-                            {
-                                LossArg::CurrentLogp
-                            }
-                            Operand::Input(p) => {
-                                match inputs.get(*p as usize).and_then(|n| vals.get(n)) {
-                                    Some(Val::PerToken(t)) => LossArg::Tokens(t.clone()),
-                                    Some(Val::PerSample(s)) => LossArg::Samples(s.clone()),
-                                    _ => {
-                                        return Err(Error::invalid(
-                                            "plan",
-                                            format!("{id}: loss operand ${p} is not a value"),
-                                        ));
-                                    }
+                    for (k, n) in inputs.iter().enumerate().skip(1) {
+                        resolved.push(if self.reused.contains(n) {
+                            LossArg::CurrentLogp
+                        } else {
+                            match vals.get(n) {
+                                Some(Val::PerToken(t)) => LossArg::Tokens(t.clone()),
+                                Some(Val::PerSample(s)) => LossArg::Samples(s.clone()),
+                                _ => {
+                                    return Err(Error::invalid(
+                                        "plan",
+                                        format!("{id}: loss input {k} is not a value"),
+                                    ));
                                 }
                             }
                         });
                     }
-                    Val::Loss(vec![LossTerm {
-                        kind: *kind,
+                    Val::Loss(LossTerm {
+                        node: id,
                         args: resolved,
-                    }])
-                }
-                Op::LossSum { .. } => {
-                    let mut terms = Vec::new();
-                    for i in inputs.iter().skip(1) {
-                        if let Some(Val::Loss(t)) = vals.get(i) {
-                            terms.extend(t.iter().cloned());
-                        }
-                    }
-                    Val::Loss(terms)
+                    })
                 }
                 // Transfer nodes run right after the call they follow (`transfers_after`),
                 // not where the topological order puts them (they have no data inputs).
@@ -364,7 +346,7 @@ impl<'p> Executor<'p> {
                     minibatches,
                 } => {
                     let r = rollout_of(&vals, inputs.first())?;
-                    let terms = match inputs.get(1).and_then(|n| vals.get(n)) {
+                    let term = match inputs.get(1).and_then(|n| vals.get(n)) {
                         Some(Val::Loss(t)) => t.clone(),
                         _ => return Err(Error::invalid("plan", format!("{id}: no loss"))),
                     };
@@ -374,7 +356,7 @@ impl<'p> Executor<'p> {
                         id,
                         *model as usize,
                         &r,
-                        &terms,
+                        &term,
                         *epochs,
                         *minibatches,
                         micro,

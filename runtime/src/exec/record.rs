@@ -112,7 +112,7 @@ impl<'p> Executor<'p> {
             checkpoint::truncate_metrics(&samples_path, self.first_step)?;
             checkpoint::write_atomic(
                 &self.options.run_dir.join("plan.txt"),
-                self.plan.graph_text().as_bytes(),
+                format!("{}\n{}", self.plan.graph_text(), self.plan.losses_text()).as_bytes(),
             )?;
             checkpoint::write_atomic(
                 &self.options.run_dir.join("plan.json"),
@@ -325,8 +325,8 @@ impl<'p> Executor<'p> {
 
     /// `samples.jsonl` lines of step `step` (0-based): prompt, completion, answer, reward and
     /// advantage of the first sample of the first `SAMPLES_PER_STEP` prompts of the rollout
-    /// the policy learns from. The advantage is the loss's advantage operand (a per-token
-    /// advantage, as PPO's, is given as its mean over the sample's tokens).
+    /// the policy learns from. The advantage is the loss's argument bound to a parameter `adv`
+    /// (a per-token advantage, as PPO's, is given as its mean over the sample's tokens).
     pub(super) fn sample_lines(
         &self,
         step: i64,
@@ -342,20 +342,17 @@ impl<'p> Executor<'p> {
             Some(Val::PerSample(v)) => Some(v.as_slice()),
             _ => None,
         };
-        // The advantage: the operand of a loss on this rollout that is an advantage.
+        // The advantage: the argument of a loss on this rollout bound to a parameter `adv`
+        // (what the standard losses call it).
         let mut adv: Option<&Val> = None;
         for id in self.plan.graph.node_ids() {
-            let Some(Op::Loss { kind, args }) = self.plan.graph.node(id).map(|n| &n.op) else {
+            let Some(Op::Loss { objective }) = self.plan.graph.node(id).map(|n| &n.op) else {
                 continue;
             };
-            let at = match kind {
-                LossKind::Grpo => 2,
-                LossKind::Ppo => 1,
-                _ => continue,
-            };
             let inputs = self.plan.graph.inputs(id);
-            if let Some(Operand::Input(p)) = args.get(at)
-                && let Some(v) = inputs.get(*p as usize).and_then(|n| vals.get(n))
+            if inputs.first() == Some(&r)
+                && let Some(k) = objective.input_named("adv")
+                && let Some(v) = inputs.get(k + 1).and_then(|n| vals.get(n))
             {
                 adv = Some(v);
                 break;

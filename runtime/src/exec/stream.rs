@@ -409,7 +409,6 @@ impl<'p> Executor<'p> {
         let rollout = Arc::new(RolloutData {
             samples: out_samples,
             records: records.clone(),
-            max_new_tokens: params.max_new_tokens,
             temperature,
         });
         let mut streamed = Vec::new();

@@ -1,5 +1,6 @@
-//! `train`: epochs of mini-batches of micro-batches, the losses evaluated on the model's
-//! current outputs with autograd, AdamW steps, and the metrics of the update.
+//! `train`: epochs of mini-batches of micro-batches, the loss's objective evaluated on the
+//! model's current outputs with autograd, AdamW steps, and the metrics of the update (the
+//! trainer's own, and the ones the loss declares).
 
 use super::*;
 use comm::sample_block;
@@ -9,8 +10,8 @@ impl<'p> Executor<'p> {
     /// Trains a model on a rollout: `epochs` passes, each over `minibatches` optimizer steps,
     /// each accumulating gradients over micro-batches of `micro` sequences. With data
     /// parallelism (the train's placement has `dp` replicas) every replica of the mesh takes
-    /// its block of each mini-batch, normalises its loss by the whole mini-batch's token and
-    /// sample counts, and the gradients are summed over the replicas before every step: the
+    /// its block of each mini-batch, normalises its loss by the whole mini-batch's token,
+    /// sample and group counts (the objective's `BatchSum`s divide by them), and the gradients are summed over the replicas before every step: the
     /// update is the one-process update (up to the order of floating-point additions). Ranks
     /// outside the mesh only take part in gathering the model's log-probabilities.
     #[allow(clippy::too_many_arguments)]
@@ -19,7 +20,7 @@ impl<'p> Executor<'p> {
         id: NodeId,
         model: usize,
         r: &RolloutData,
-        terms: &[LossTerm],
+        term: &LossTerm,
         epochs: i64,
         minibatches: i64,
         micro: usize,
@@ -44,6 +45,18 @@ impl<'p> Executor<'p> {
         if n == 0 {
             return Ok((stats, None));
         }
+        let plan = self.plan;
+        let objective = match plan.graph.node(term.node).map(|x| &x.op) {
+            Some(Op::Loss { objective }) => objective,
+            _ => {
+                return Err(Error::invalid(
+                    "plan",
+                    format!("{}: the loss of a `train` is not a loss node", term.node),
+                ));
+            }
+        };
+        let len = |i: usize| r.samples[i].rollout.completion.len();
+        let group_of = |i: usize| r.samples[i].prompt_index;
         if let Some(coords) = p.coords(rank) {
             let dp = p.dp.max(1) as usize;
             let replica = coords.dp as usize;
@@ -74,8 +87,10 @@ impl<'p> Executor<'p> {
             let start_step = opt.step;
             let mut rng = Rng::new(seed);
             // Sums over this replica's tokens, reduced over the replicas at the end: loss,
-            // clipped tokens, entropy, tokens.
-            let mut local = [0.0f64; 4];
+            // entropy, tokens; and per metric the loss declares, the sum of its values and how
+            // many there were.
+            let mut local = [0.0f64; 3];
+            let mut metrics: BTreeMap<String, (f64, f64)> = BTreeMap::new();
             let mut norm_sum = 0.0;
             let mut opt_steps = 0usize;
             let mut lr = 0.0;
@@ -83,20 +98,19 @@ impl<'p> Executor<'p> {
                 let mut perm: Vec<usize> = (0..n).collect();
                 rng.shuffle(&mut perm);
                 for mb in perm.chunks(per_mb) {
-                    let mb_tokens: usize = mb
-                        .iter()
-                        .map(|&i| r.samples[i].rollout.completion.len())
-                        .sum();
+                    let mb_lens: Vec<usize> = mb.iter().map(|&i| len(i)).collect();
+                    let mb_groups: Vec<usize> = mb.iter().map(|&i| group_of(i)).collect();
                     let part = &mb[sample_block(mb.len(), dp, replica)];
                     for chunk in part.chunks(micro) {
                         let seqs: Vec<&Rollout> =
                             chunk.iter().map(|&i| &r.samples[i].rollout).collect();
-                        let lens: Vec<usize> = seqs.iter().map(|s| s.completion.len()).collect();
+                        let lens: Vec<usize> = chunk.iter().map(|&i| len(i)).collect();
+                        let groups: Vec<usize> = chunk.iter().map(|&i| group_of(i)).collect();
                         let t: usize = lens.iter().sum();
                         if t == 0 {
                             continue;
                         }
-                        let layout = layout_for(&lens, mb_tokens, mb.len(), r.max_new_tokens);
+                        let layout = Layout::new(&lens, &groups, &mb_lens, &mb_groups);
                         let out = train_forward(m, &seqs, r.temperature, head)?;
                         if opt.step == start_step
                             && let Some(lp) = &out.logp
@@ -113,23 +127,28 @@ impl<'p> Executor<'p> {
                                 at += l;
                             }
                         }
-                        let mut total: Option<Tensor> = None;
-                        for term in terms {
-                            let (l, s) = term_loss(term, &out, chunk, &layout)?;
-                            local[1] += s.clip_frac * t as f64;
-                            total = Some(match total {
-                                Some(x) => x + l,
-                                None => l,
-                            });
+                        let inputs = term
+                            .args
+                            .iter()
+                            .map(|a| input_tensor(a, chunk, &out))
+                            .collect::<Result<Vec<Tensor>>>()?;
+                        let outputs = objective::Outputs {
+                            logp: out.logp.as_ref(),
+                            entropy: out.entropy.as_ref(),
+                            value: out.values.as_ref(),
+                        };
+                        let ev = objective::evaluate(objective, &inputs, &outputs, &layout)?;
+                        for (name, sum, count) in ev.metrics {
+                            let m = metrics.entry(name).or_default();
+                            m.0 += sum;
+                            m.1 += count;
                         }
-                        if let Some(total) = total {
-                            local[0] += total.double_value(&[]);
-                            total.backward();
-                        }
+                        local[0] += ev.loss.double_value(&[]);
+                        ev.loss.backward();
                         if let Some(e) = &out.entropy {
-                            local[2] += e.detach().sum(Kind::Float).double_value(&[]);
+                            local[1] += e.detach().sum(Kind::Float).double_value(&[]);
                         }
-                        local[3] += t as f64;
+                        local[2] += t as f64;
                     }
                     if let Some(g) = group {
                         comm::all_reduce_gradients(g, &opt.parameters())?;
@@ -140,22 +159,26 @@ impl<'p> Executor<'p> {
                     opt_steps += 1;
                 }
             }
+            // Every replica evaluates the same objective, so the metrics have the same names
+            // in the same order everywhere.
+            let mut metric_sums: Vec<f64> = metrics.values().flat_map(|&(s, c)| [s, c]).collect();
             if let Some(g) = group {
                 comm::sum(g, &mut local)?;
+                comm::sum(g, &mut metric_sums)?;
             }
             if let Some(rep) = gen_copy.as_mut() {
                 copy_weights(rep, m)?;
             }
-            let [loss_sum, clip_tok, ent_tok, tokens] = local;
+            let [loss_sum, ent_tok, tokens] = local;
             let k = opt_steps.max(1) as f64;
             stats.insert("loss".into(), loss_sum / k);
             stats.insert("grad_norm".into(), norm_sum / k);
             stats.insert("lr".into(), lr);
-            if terms
-                .iter()
-                .any(|t| matches!(t.kind, LossKind::Ppo | LossKind::Grpo))
-            {
-                stats.insert("clip_frac".into(), clip_tok / tokens.max(1.0));
+            for (name, sc) in metrics.keys().zip(metric_sums.chunks(2)) {
+                stats.insert(
+                    name.clone(),
+                    sc[0] / sc.get(1).copied().unwrap_or(0.0).max(1.0),
+                );
             }
             if head == Head::Lm {
                 stats.insert("entropy".into(), ent_tok / tokens.max(1.0));
@@ -245,181 +268,35 @@ pub(super) fn train_forward(
     }
 }
 
-pub(super) fn layout_for(
-    lens: &[usize],
-    mb_tokens: usize,
-    mb_samples: usize,
-    max_new: i64,
-) -> Layout {
-    let mut sample_of = Vec::new();
-    let mut inv = Vec::new();
-    for (i, &l) in lens.iter().enumerate() {
-        for _ in 0..l {
-            sample_of.push(i as i64);
-            inv.push(1.0 / l as f64);
-        }
-    }
-    Layout {
-        sample_of: Tensor::from_slice(&sample_of),
-        inv_len: Tensor::from_slice(&inv).to_kind(Kind::Float),
-        minibatch_tokens: mb_tokens as f64,
-        minibatch_samples: mb_samples as f64,
-        max_new_tokens: max_new as f64,
-    }
-}
-
-/// A per-token operand for the samples `chunk` (indices into the rollout): per-token values as
-/// they are, per-sample values broadcast over the sample's tokens.
-pub(super) fn token_tensor(
-    arg: &LossArg,
-    chunk: &[usize],
-    lens: &Layout,
-    device: Device,
-) -> Result<Tensor> {
-    let mut out: Vec<f32> = Vec::new();
-    match arg {
-        LossArg::Tokens(t) => {
-            for &i in chunk {
-                out.extend(t.row(i).iter().map(|&x| x as f32));
-            }
-        }
-        LossArg::Samples(s) => {
-            return Ok(
-                Tensor::from_slice(&chunk.iter().map(|&i| s[i] as f32).collect::<Vec<_>>())
-                    .to_device(device)
-                    .index_select(0, &lens.sample_of.to_device(device)),
-            );
-        }
-        LossArg::Const(c) => {
-            return Err(Error::invalid(
-                "loss",
-                format!("a constant {c} where per-token values are needed"),
-            ));
-        }
-        LossArg::CurrentLogp => {
-            return Err(Error::invalid(
-                "loss",
-                "the model's own log-probabilities are resolved by the caller",
-            ));
-        }
-    }
-    Ok(Tensor::from_slice(&out).to_device(device))
-}
-
-pub(super) fn const_f(arg: Option<&LossArg>, what: &str) -> Result<f64> {
-    match arg {
-        Some(LossArg::Const(c)) => c
-            .as_f64()
-            .ok_or_else(|| Error::invalid("loss", format!("`{what}` must be a number"))),
-        _ => Err(Error::invalid(
-            "loss",
-            format!("`{what}` must be a constant"),
-        )),
-    }
-}
-
-pub(super) fn const_s<'a>(arg: Option<&'a LossArg>, what: &str) -> Result<&'a str> {
-    match arg {
-        Some(LossArg::Const(Const::Str(s))) => Ok(s),
-        _ => Err(Error::invalid("loss", format!("`{what}` must be a string"))),
-    }
-}
-
-/// One loss term on a micro-batch.
-pub(super) fn term_loss(
-    term: &LossTerm,
-    out: &TrainOut,
-    chunk: &[usize],
-    layout: &Layout,
-) -> Result<(Tensor, loss::PolicyStats)> {
-    let a = &term.args;
-    let need_logp = || {
-        out.logp.as_ref().ok_or_else(|| {
-            Error::invalid(
-                "loss",
-                format!("`{}` needs a language model", term.kind.as_str()),
-            )
-        })
-    };
-    let dev = match (&out.logp, &out.values) {
+/// An input of the objective for the samples `chunk` (indices into the rollout), in f32 on
+/// the model's device: per-token values `[T]`, per-sample values `[N]`, or the model's own
+/// log-probabilities, detached.
+pub(super) fn input_tensor(arg: &LossArg, chunk: &[usize], out: &TrainOut) -> Result<Tensor> {
+    let device = match (&out.logp, &out.values) {
         (Some(t), _) | (_, Some(t)) => t.device(),
         _ => Device::Cpu,
     };
-    let tok = |i: usize| -> Result<Tensor> {
-        let arg = a
-            .get(i)
-            .ok_or_else(|| Error::invalid("loss", "missing operand"))?;
-        if let LossArg::CurrentLogp = arg {
-            return Ok(need_logp()?.detach());
-        }
-        token_tensor(arg, chunk, layout, dev)
-    };
-    match term.kind {
-        LossKind::Ppo => {
-            let logp = need_logp()?;
-            let (old, adv) = (tok(0)?, tok(1)?);
-            let clip = const_f(a.get(2), "clip")?;
-            let dual = const_f(a.get(3), "dual_clip")?;
-            let ent_coef = const_f(a.get(4), "entropy_coef")?;
-            let agg = Agg::parse(const_s(a.get(5), "agg")?).ok_or_else(|| {
-                Error::invalid(
-                    "ppo_loss",
-                    "`agg` must be \"token\", \"sequence\" or \"sum\"",
-                )
-            })?;
-            let (mut per, stats) = loss::ppo_per_token(logp, &old, &adv, clip, dual);
-            if ent_coef != 0.0 {
-                let ent = out.entropy.as_ref().ok_or_else(|| {
-                    Error::invalid("ppo_loss", "the entropy bonus needs a language model")
-                })?;
-                per -= ent * ent_coef;
+    Ok(match arg {
+        LossArg::Tokens(t) => {
+            let mut v: Vec<f32> = Vec::new();
+            for &i in chunk {
+                v.extend(t.row(i).iter().map(|&x| x as f32));
             }
-            Ok((layout.aggregate(&per, agg), stats))
+            Tensor::from_slice(&v).to_device(device)
         }
-        LossKind::Grpo => {
-            let logp = need_logp()?;
-            let (old, reflp, adv) = (tok(0)?, tok(1)?, tok(2)?);
-            let clip = const_f(a.get(3), "clip")?;
-            let kl_coef = const_f(a.get(4), "kl_coef")?;
-            let est = const_s(a.get(5), "kl_estimator")?;
-            let variant = const_s(a.get(6), "variant")?;
-            let (per, stats) = loss::ppo_per_token(logp, &old, &adv, clip, 0.0);
-            let per = if kl_coef != 0.0 {
-                per + loss::kl(logp, &reflp, est) * kl_coef
-            } else {
-                per
-            };
-            let agg = if variant == "dr_grpo" {
-                Agg::Sum
-            } else {
-                Agg::Sequence
-            };
-            Ok((layout.aggregate(&per, agg), stats))
+        LossArg::Samples(s) => {
+            Tensor::from_slice(&chunk.iter().map(|&i| s[i] as f32).collect::<Vec<_>>())
+                .to_device(device)
         }
-        LossKind::Kl => {
-            let logp = need_logp()?;
-            let reflp = tok(0)?;
-            let coef = const_f(a.get(1), "coef")?;
-            let est = const_s(a.get(2), "estimator")?;
-            let per = loss::kl(logp, &reflp, est) * coef;
-            Ok((
-                layout.aggregate(&per, Agg::Token),
-                loss::PolicyStats::default(),
-            ))
-        }
-        LossKind::Value => {
-            let v = out
-                .values
-                .as_ref()
-                .ok_or_else(|| Error::invalid("value_loss", "needs a model with a value head"))?;
-            let (old, ret) = (tok(0)?, tok(1)?);
-            let clip = const_f(a.get(2), "clip")?;
-            let coef = const_f(a.get(3), "coef")?;
-            let per = loss::value_per_token(v, &old, &ret, clip) * coef;
-            Ok((
-                layout.aggregate(&per, Agg::Token),
-                loss::PolicyStats::default(),
-            ))
-        }
-    }
+        LossArg::CurrentLogp => out
+            .logp
+            .as_ref()
+            .ok_or_else(|| {
+                Error::invalid(
+                    "loss",
+                    "the model's own log-probabilities need a language model",
+                )
+            })?
+            .detach(),
+    })
 }

@@ -16,7 +16,6 @@ pub(super) struct GenSample {
 pub(super) struct RolloutData {
     pub(super) samples: Vec<GenSample>,
     pub(super) records: Vec<Record>,
-    pub(super) max_new_tokens: i64,
     /// The temperature the log-probabilities of this rollout are computed at.
     pub(super) temperature: f64,
 }
@@ -53,20 +52,20 @@ impl Tokens {
     }
 }
 
-/// A loss operand, resolved.
+/// An input of a loss's objective, resolved.
 #[derive(Debug, Clone)]
 pub(super) enum LossArg {
     Tokens(Tokens),
     Samples(Vec<f64>),
-    Const(Const),
     /// The trained model's own log-probabilities before its update, taken (detached) from the
     /// training forward pass: see `Executor::reused`.
     CurrentLogp,
 }
 
+/// A loss waiting for its `train`: the objective (from the plan) and its inputs.
 #[derive(Debug, Clone)]
 pub(super) struct LossTerm {
-    pub(super) kind: LossKind,
+    pub(super) node: NodeId,
     pub(super) args: Vec<LossArg>,
 }
 
@@ -79,7 +78,7 @@ pub(super) enum Val {
     Rollout(Arc<RolloutData>),
     PerToken(Tokens),
     PerSample(Vec<f64>),
-    Loss(Vec<LossTerm>),
+    Loss(LossTerm),
     Unit,
 }
 

@@ -491,8 +491,8 @@ pub fn stream_chunk(a: &Annotated, id: NodeId, p: &Placement) -> u64 {
 }
 
 /// `logprobs` calls that need no inference pass: on a trained model, every consumer a loss
-/// whose every consumer (directly or through `+`) is a `train` of that model on the same
-/// rollout with one epoch and one mini-batch. That `train` takes a single optimizer step, so
+/// (a `train`'s objective, sums included) whose every consumer is a `train` of that model on
+/// the same rollout with one epoch and one mini-batch. That `train` takes a single optimizer step, so
 /// its forward pass computes the model's log-probabilities before the update — exactly what
 /// the node stands for (TRL does the same when the update is on-policy). The runtime takes the
 /// values, detached, from that forward pass. Value: the `train`.
@@ -513,27 +513,22 @@ pub fn reusable_logprobs(
         let consumers = g.consumers(id);
         let mut train_of = None;
         let mut trains_ok = |loss: NodeId| -> bool {
-            // Follow loss sums to the trains.
-            let mut frontier = vec![loss];
             let mut found = false;
-            while let Some(n) = frontier.pop() {
-                for c in g.consumers(n) {
-                    match g.node(c).map(|x| &x.op) {
-                        Some(Op::LossSum { .. }) => frontier.push(c),
-                        Some(Op::Train {
-                            model: m,
-                            epochs: 1,
-                            minibatches: 1,
-                        }) if m == model && g.inputs(c).first().copied() == rollout => {
-                            found = true;
-                            if train_of.is_none_or(|t| t == c) {
-                                train_of = Some(c);
-                            } else {
-                                return false;
-                            }
+            for c in g.consumers(loss) {
+                match g.node(c).map(|x| &x.op) {
+                    Some(Op::Train {
+                        model: m,
+                        epochs: 1,
+                        minibatches: 1,
+                    }) if m == model && g.inputs(c).first().copied() == rollout => {
+                        found = true;
+                        if train_of.is_none_or(|t| t == c) {
+                            train_of = Some(c);
+                        } else {
+                            return false;
                         }
-                        _ => return false,
                     }
+                    _ => return false,
                 }
             }
             found
