@@ -1,23 +1,53 @@
-//! Prompt datasets: JSONL files with field mapping, and the synthetic sources used by demos and
-//! tests. A dataset is read once; `next(dataset, n)` draws from a cursor over its records in an
-//! order fixed by the dataset's seed (shuffled per epoch when asked), so the draw at any cursor
-//! position can be recomputed — a resumed run only needs the cursor.
+//! Prompt datasets: JSONL and Parquet files of plain prompts or chat conversations, with field
+//! mapping, and the synthetic sources used by demos and tests. A dataset is read once;
+//! `next(dataset, n)` draws from a cursor over its records in an order fixed by the dataset's
+//! seed (shuffled per epoch when asked), so the draw at any cursor position can be recomputed —
+//! a resumed run only needs the cursor.
+//!
+//! **What a record must hold is checked when it is loaded**, with the file and line (or row) of
+//! any record that does not: its prompt (a non-empty text, or a well-formed conversation with a
+//! user turn), and every field that the plan's kernels read from this dataset's samples
+//! (`DatasetSpec::fields`, from `field_int(s, "difficulty")` and its kin), with a type its
+//! reader accepts. Checking at load time rather than when a reward first reads the field means
+//! a bad record stops the run before its first step instead of hours into it, and the error can
+//! name the line, which a kernel running over a batch of samples no longer knows.
 
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use braid_ir::graph::{DatasetSource, DatasetSpec, Split, SyntheticKind};
+use braid_ir::graph::{DatasetSource, DatasetSpec, PromptFrom, Split, SyntheticKind};
+use braid_ir::kernel::{FieldValue, Fields, RecordField};
+use serde_json::{Map, Value};
 
 use crate::error::{Error, Result};
+use crate::models::tokenizer::ChatMessage;
 use crate::rng::Rng;
 
 /// One prompt and its reference answer (empty when the data has none), with the record's
-/// other fields (`s.field("name")` in a reward).
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
+/// fields that the run's kernels read (`field(s, "name")` in a reward).
+#[derive(Debug, Clone, PartialEq, Default)]
 pub struct Record {
+    /// The prompt: a plain prompt's text, or a conversation's last user turn (what `s.prompt`
+    /// reads).
     pub prompt: String,
     pub answer: String,
-    pub extra: BTreeMap<String, serde_json::Value>,
+    /// A conversation's turns up to and including its last user turn: the prompt the policy
+    /// answers, rendered with its chat template. `None` for a plain prompt.
+    pub messages: Option<Vec<ChatMessage>>,
+    /// The fields the plan's kernels read, checked present and well-typed when loaded.
+    pub fields: Fields,
+}
+
+impl Record {
+    /// The conversation the prompt is: its turns, or a plain prompt as one user turn.
+    pub fn conversation(&self) -> Vec<ChatMessage> {
+        match &self.messages {
+            Some(m) => m.clone(),
+            None => vec![ChatMessage {
+                role: "user".into(),
+                content: self.prompt.clone(),
+            }],
+        }
+    }
 }
 
 /// A loaded dataset.
@@ -34,22 +64,40 @@ pub struct Dataset {
 impl Dataset {
     /// Loads a dataset; relative paths are read from `base_dir` (the program's directory).
     pub fn load(spec: &DatasetSpec, base_dir: &Path) -> Result<Dataset> {
+        let layout = Layout::of(spec);
         let records = match &spec.source {
-            DatasetSource::Jsonl { path } => {
-                let p = resolve(base_dir, path);
-                read_jsonl(&p, &spec.prompt_field, &spec.answer_field)?
-            }
-            DatasetSource::Parquet { path } => {
-                let p = resolve(base_dir, path);
-                read_parquet(&p, &spec.prompt_field, &spec.answer_field)?
-            }
+            DatasetSource::Jsonl { path } => read_jsonl(&resolve(base_dir, path), &layout)?,
+            DatasetSource::Parquet { path } => read_parquet(&resolve(base_dir, path), &layout)?,
             DatasetSource::Synthetic {
                 kind,
                 count,
                 seed,
                 digits,
                 split,
-            } => synthetic(*kind, *count, *seed, *digits, *split)?,
+            } => {
+                let records = synthetic(*kind, *count, *seed, *digits, *split)?;
+                // Generated records hold the same fields whatever the seed, so one without a
+                // field a kernel reads means the source never has it: say which it has.
+                for f in &spec.fields {
+                    if let Some(r) = records.first()
+                        && let Err(why) = f.check(r.fields.get(&f.name))
+                    {
+                        let has: Vec<&str> = r.fields.keys().map(String::as_str).collect();
+                        return Err(Error::invalid(
+                            format!("dataset `{}` (synthetic::{kind})", spec.name),
+                            format!(
+                                "a record {why}; its records have {}",
+                                if has.is_empty() {
+                                    "no other fields".to_string()
+                                } else {
+                                    format!("the fields {}", has.join(", "))
+                                }
+                            ),
+                        ));
+                    }
+                }
+                records
+            }
         };
         if records.is_empty() {
             return Err(Error::invalid(
@@ -133,9 +181,60 @@ fn resolve(base: &Path, path: &str) -> PathBuf {
     }
 }
 
-/// Reads a JSONL file: one object per line with the prompt (and optionally the answer) under
-/// the mapped field names. Empty lines are skipped.
-pub fn read_jsonl(path: &Path, prompt_field: &str, answer_field: &str) -> Result<Vec<Record>> {
+/// How a file's records are read: which fields hold the prompt, the conversation and the
+/// answer, and which other fields the run's kernels need.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Layout {
+    pub prompt_field: String,
+    pub answer_field: String,
+    pub messages_field: String,
+    pub prompt_from: PromptFrom,
+    pub fields: Vec<RecordField>,
+}
+
+impl Layout {
+    pub fn of(spec: &DatasetSpec) -> Layout {
+        Layout {
+            prompt_field: spec.prompt_field.clone(),
+            answer_field: spec.answer_field.clone(),
+            messages_field: spec.messages_field.clone(),
+            prompt_from: spec.prompt_from,
+            fields: spec.fields.clone(),
+        }
+    }
+
+    /// Plain prompts in `prompt`, answers in `answer`, nothing else read.
+    pub fn plain(prompt: &str, answer: &str) -> Layout {
+        Layout {
+            prompt_field: prompt.into(),
+            answer_field: answer.into(),
+            messages_field: "messages".into(),
+            prompt_from: PromptFrom::Text,
+            fields: Vec::new(),
+        }
+    }
+}
+
+/// How errors name a record's parts: a JSONL line's fields, a Parquet row's columns.
+#[derive(Clone, Copy)]
+struct Words {
+    field: &'static str,
+    /// Where the keys a missing-field error lists come from.
+    has: &'static str,
+}
+
+const JSONL: Words = Words {
+    field: "field",
+    has: "the line has",
+};
+const PARQUET: Words = Words {
+    field: "column",
+    has: "the row has",
+};
+
+/// Reads a JSONL file: one object per line with a prompt or a conversation, an optional answer
+/// and the fields the layout asks for. Empty lines are skipped.
+pub fn read_jsonl(path: &Path, layout: &Layout) -> Result<Vec<Record>> {
     let text = std::fs::read_to_string(path)
         .map_err(|e| Error::file(path, format!("cannot read: {e}")))?;
     let mut out = Vec::new();
@@ -144,48 +243,12 @@ pub fn read_jsonl(path: &Path, prompt_field: &str, answer_field: &str) -> Result
             continue;
         }
         let at = |what: String| Error::file(path, format!("line {}: {what}", i + 1));
-        let v: serde_json::Value =
+        let v: Value =
             serde_json::from_str(line).map_err(|e| at(format!("not valid JSON: {e}")))?;
         let Some(obj) = v.as_object() else {
             return Err(at("expected a JSON object".into()));
         };
-        let prompt = match obj.get(prompt_field) {
-            Some(serde_json::Value::String(s)) => s.clone(),
-            Some(other) => {
-                return Err(at(format!(
-                    "field `{prompt_field}` must be a string, found {other}"
-                )));
-            }
-            None => {
-                let keys: Vec<&str> = obj.keys().map(|k| k.as_str()).collect();
-                return Err(at(format!(
-                    "missing field `{prompt_field}` (the prompt); the line has {}; map another field with `fields: {{ prompt: \"…\" }}`",
-                    if keys.is_empty() {
-                        "no fields".to_string()
-                    } else {
-                        keys.join(", ")
-                    }
-                )));
-            }
-        };
-        if prompt.is_empty() {
-            return Err(at(format!("field `{prompt_field}` is empty")));
-        }
-        let answer = match obj.get(answer_field) {
-            Some(serde_json::Value::String(s)) => s.clone(),
-            Some(serde_json::Value::Number(n)) => n.to_string(),
-            Some(serde_json::Value::Null) | None => String::new(),
-            Some(other) => {
-                return Err(at(format!(
-                    "field `{answer_field}` must be a string or a number, found {other}"
-                )));
-            }
-        };
-        out.push(Record {
-            prompt,
-            answer,
-            ..Record::default()
-        });
+        out.push(record(obj, layout, JSONL).map_err(at)?);
     }
     if out.is_empty() {
         return Err(Error::file(path, "has no records"));
@@ -193,12 +256,12 @@ pub fn read_jsonl(path: &Path, prompt_field: &str, answer_field: &str) -> Result
     Ok(out)
 }
 
-/// Reads a Parquet file: one record per row, the prompt (a string column) and optionally the
-/// answer (a string or number column) under the mapped column names. Uncompressed and snappy
-/// column chunks are read (snappy is pandas' and pyarrow's default).
-pub fn read_parquet(path: &Path, prompt_field: &str, answer_field: &str) -> Result<Vec<Record>> {
+/// Reads a Parquet file: one record per row, read like a JSONL line (a string column for the
+/// prompt, or a list of `{role, content}` structs for a conversation; the answer a string or
+/// number column). Uncompressed and snappy column chunks are read (snappy is pandas' and
+/// pyarrow's default).
+pub fn read_parquet(path: &Path, layout: &Layout) -> Result<Vec<Record>> {
     use parquet::file::reader::{FileReader, SerializedFileReader};
-    use parquet::record::Field;
     let file =
         std::fs::File::open(path).map_err(|e| Error::file(path, format!("cannot read: {e}")))?;
     let reader = SerializedFileReader::new(file)
@@ -210,56 +273,239 @@ pub fn read_parquet(path: &Path, prompt_field: &str, answer_field: &str) -> Resu
     for (i, row) in rows.enumerate() {
         let at = |what: String| Error::file(path, format!("row {}: {what}", i + 1));
         let row = row.map_err(|e| at(format!("cannot decode: {e}")))?;
-        let mut prompt = None;
-        let mut answer = String::new();
-        let mut names = Vec::new();
-        for (name, field) in row.get_column_iter() {
-            names.push(name.clone());
-            if name == prompt_field {
-                prompt = Some(match field {
-                    Field::Str(s) => s.clone(),
-                    Field::Null => return Err(at(format!("column `{prompt_field}` is null"))),
-                    other => {
-                        return Err(at(format!(
-                            "column `{prompt_field}` must be a string, found {other}"
-                        )));
-                    }
-                });
-            } else if name == answer_field {
-                answer = match field {
-                    Field::Null => String::new(),
-                    Field::Str(s) => s.clone(),
-                    Field::Bool(_)
-                    | Field::Group(_)
-                    | Field::ListInternal(_)
-                    | Field::MapInternal(_) => {
-                        return Err(at(format!(
-                            "column `{answer_field}` must be a string or a number, found {field}"
-                        )));
-                    }
-                    other => other.to_string(),
-                };
-            }
-        }
-        let Some(prompt) = prompt else {
-            return Err(at(format!(
-                "missing column `{prompt_field}` (the prompt); the file has {}; map another column with `fields: {{ prompt: \"…\" }}`",
-                names.join(", ")
-            )));
-        };
-        if prompt.is_empty() {
-            return Err(at(format!("column `{prompt_field}` is empty")));
-        }
-        out.push(Record {
-            prompt,
-            answer,
-            ..Record::default()
-        });
+        let obj: Map<String, Value> = row
+            .get_column_iter()
+            .map(|(name, field)| (name.clone(), parquet_json(field)))
+            .collect();
+        out.push(record(&obj, layout, PARQUET).map_err(at)?);
     }
     if out.is_empty() {
         return Err(Error::file(path, "has no rows"));
     }
     Ok(out)
+}
+
+/// A Parquet value as the JSON a JSONL file would hold: numbers, strings and booleans as
+/// themselves, lists as arrays, structs as objects; a float that JSON cannot write (NaN, ±∞)
+/// is `null`, and dates, times, decimals and bytes are their text.
+fn parquet_json(f: &parquet::record::Field) -> Value {
+    use parquet::record::Field as F;
+    let float = |x: f64| serde_json::Number::from_f64(x).map_or(Value::Null, Value::Number);
+    match f {
+        F::Null => Value::Null,
+        F::Bool(b) => Value::Bool(*b),
+        F::Byte(n) => Value::from(*n),
+        F::Short(n) => Value::from(*n),
+        F::Int(n) => Value::from(*n),
+        F::Long(n) => Value::from(*n),
+        F::UByte(n) => Value::from(*n),
+        F::UShort(n) => Value::from(*n),
+        F::UInt(n) => Value::from(*n),
+        F::ULong(n) => Value::from(*n),
+        F::Float16(x) => float(f64::from(*x)),
+        F::Float(x) => float(f64::from(*x)),
+        F::Double(x) => float(*x),
+        F::Str(s) => Value::String(s.clone()),
+        F::Group(row) => Value::Object(
+            row.get_column_iter()
+                .map(|(k, v)| (k.clone(), parquet_json(v)))
+                .collect(),
+        ),
+        F::ListInternal(list) => Value::Array(list.elements().iter().map(parquet_json).collect()),
+        other => Value::String(other.to_string()),
+    }
+}
+
+/// One record from a JSON object (a JSONL line, or a Parquet row as JSON); the error says what
+/// is wrong, and the caller adds the file and line.
+fn record(obj: &Map<String, Value>, layout: &Layout, words: Words) -> std::result::Result<Record, String> {
+    let Words { field, has } = words;
+    let present = |k: &str| obj.get(k).is_some_and(|v| !v.is_null());
+    let keys = || {
+        let keys: Vec<&str> = obj.keys().map(String::as_str).collect();
+        if keys.is_empty() {
+            "nothing".to_string()
+        } else {
+            keys.join(", ")
+        }
+    };
+    let (pf, mf) = (&layout.prompt_field, &layout.messages_field);
+    let conversation = match layout.prompt_from {
+        PromptFrom::Text => false,
+        PromptFrom::Messages => true,
+        PromptFrom::Either => match (present(pf), present(mf)) {
+            (true, false) => false,
+            (false, true) => true,
+            (true, true) => {
+                return Err(format!(
+                    "has both a prompt (`{pf}`) and a conversation (`{mf}`); say which one holds the prompt with `fields: {{ prompt: \"{pf}\" }}` or `fields: {{ messages: \"{mf}\" }}`"
+                ));
+            }
+            (false, false) => {
+                return Err(format!(
+                    "has no prompt: no {field} `{pf}` (a text) and no {field} `{mf}` (chat messages); {has} {}; map the right one with `fields: {{ prompt: \"…\" }}` or `fields: {{ messages: \"…\" }}`",
+                    keys()
+                ));
+            }
+        },
+    };
+    let (prompt, messages, trailing) = if conversation {
+        let Some(v) = obj.get(mf).filter(|v| !v.is_null()) else {
+            return Err(format!(
+                "missing {field} `{mf}` (the conversation); {has} {}; map another {field} with `fields: {{ messages: \"…\" }}`",
+                keys()
+            ));
+        };
+        let (turns, answer) = parse_conversation(v).map_err(|why| format!("`{mf}`: {why}"))?;
+        let prompt = turns.last().map(|m| m.content.clone()).unwrap_or_default();
+        (prompt, Some(turns), answer)
+    } else {
+        let prompt = match obj.get(pf) {
+            Some(Value::String(s)) => s.clone(),
+            Some(Value::Null) => return Err(format!("{field} `{pf}` is null")),
+            Some(other) => return Err(format!("{field} `{pf}` must be a string, found {other}")),
+            None => {
+                return Err(format!(
+                    "missing {field} `{pf}` (the prompt); {has} {}; map another {field} with `fields: {{ prompt: \"…\" }}`",
+                    keys()
+                ));
+            }
+        };
+        if prompt.is_empty() {
+            return Err(format!("{field} `{pf}` is empty"));
+        }
+        (prompt, None, None)
+    };
+    let af = &layout.answer_field;
+    let answer = match obj.get(af) {
+        Some(Value::String(s)) => s.clone(),
+        Some(Value::Number(n)) => n.to_string(),
+        // A conversation without an answer field answers itself with its trailing assistant
+        // turn, when it has one.
+        Some(Value::Null) | None => trailing.unwrap_or_default(),
+        Some(other) => {
+            return Err(format!(
+                "{field} `{af}` must be a string or a number, found {other}"
+            ));
+        }
+    };
+    let mut fields = Fields::new();
+    for f in &layout.fields {
+        let v = match obj.get(&f.name) {
+            None => None,
+            Some(v) => Some(serde_json::from_value::<FieldValue>(v.clone()).map_err(|_| {
+                format!(
+                    "{field} `{}` is {}, but `{}` reads {}",
+                    f.name,
+                    json_kind(v),
+                    f.ty.reader(),
+                    f.ty.describe()
+                )
+            })?),
+        };
+        f.check(v.as_ref())?;
+        if let Some(v) = v {
+            fields.insert(f.name.clone(), v);
+        }
+    }
+    Ok(Record {
+        prompt,
+        answer,
+        messages,
+        fields,
+    })
+}
+
+/// What a JSON value that is not a field value is, in words.
+fn json_kind(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+        _ => "a scalar",
+    }
+}
+
+/// The roles a conversation's messages may have.
+const ROLES: [&str; 3] = ["system", "user", "assistant"];
+
+/// A conversation in the common Hugging Face chat format, `[{"role": …, "content": …}, …]`:
+/// an optional system message first, then turns alternating between `user` and `assistant`,
+/// starting with the user, every one with text. Returns the turns up to the last user turn
+/// (the prompt) and the content of a trailing assistant turn (a reference answer). Messages
+/// are numbered from 1 in errors.
+pub fn parse_conversation(
+    v: &Value,
+) -> std::result::Result<(Vec<ChatMessage>, Option<String>), String> {
+    let Some(items) = v.as_array() else {
+        return Err(format!(
+            "must be an array of {{\"role\": …, \"content\": …}} messages, found {}",
+            json_kind(v).replace("a scalar", "a scalar value")
+        ));
+    };
+    if items.is_empty() {
+        return Err("the conversation has no messages".into());
+    }
+    let mut turns: Vec<ChatMessage> = Vec::with_capacity(items.len());
+    for (i, m) in items.iter().enumerate() {
+        let n = i + 1;
+        let Some(m) = m.as_object() else {
+            return Err(format!(
+                "message {n} must be an object with `role` and `content`, found {m}"
+            ));
+        };
+        let role = match m.get("role") {
+            Some(Value::String(r)) => r.clone(),
+            Some(other) => return Err(format!("message {n}: `role` must be a string, found {other}")),
+            None => return Err(format!("message {n} has no `role`")),
+        };
+        if !ROLES.contains(&role.as_str()) {
+            return Err(format!(
+                "message {n} has role `{role}`; roles are `system`, `user` and `assistant`"
+            ));
+        }
+        let content = match m.get("content") {
+            Some(Value::String(c)) => c.clone(),
+            Some(Value::Null) | None => {
+                return Err(format!("message {n} ({role}) has no `content`"));
+            }
+            Some(other) => {
+                return Err(format!(
+                    "message {n} ({role}): `content` must be a string, found {other}"
+                ));
+            }
+        };
+        if content.trim().is_empty() {
+            return Err(format!("message {n} ({role}) has empty content"));
+        }
+        match (role.as_str(), turns.last().map(|t| t.role.as_str())) {
+            ("system", Some(_)) => {
+                return Err(format!(
+                    "message {n} is a `system` message after the first; only the first message may be the system prompt"
+                ));
+            }
+            ("assistant", None | Some("system")) => {
+                return Err(format!(
+                    "message {n} is an `assistant` turn before any `user` turn; a conversation starts with the user"
+                ));
+            }
+            (r, Some(prev)) if r == prev => {
+                return Err(format!(
+                    "messages {} and {n} are both `{r}` turns; turns alternate between `user` and `assistant`",
+                    n - 1
+                ));
+            }
+            _ => {}
+        }
+        turns.push(ChatMessage { role, content });
+    }
+    let Some(last_user) = turns.iter().rposition(|t| t.role == "user") else {
+        return Err("the conversation has no `user` turn; the prompt is the conversation up to its last user turn".into());
+    };
+    // Alternation leaves at most one turn after the last user turn: the assistant's answer.
+    let answer = turns.get(last_user + 1).map(|t| t.content.clone());
+    turns.truncate(last_user + 1);
+    Ok((turns, answer))
 }
 
 /// The synthetic sources: `letters` (a few random lowercase letters followed by a space),
@@ -433,12 +679,13 @@ fn word_problem(rng: &mut Rng) -> Record {
             )
         }
     };
-    let mut extra = BTreeMap::new();
-    extra.insert("difficulty".to_string(), serde_json::json!(steps));
+    let mut fields = Fields::new();
+    fields.insert("difficulty".to_string(), FieldValue::Int(steps));
     Record {
         prompt: format!("{story} Reply with the number after \"Answer:\"."),
         answer: answer.to_string(),
-        extra,
+        messages: None,
+        fields,
     }
 }
 
@@ -453,10 +700,13 @@ mod tests {
             source,
             prompt_field: "prompt".into(),
             answer_field: "answer".into(),
+            messages_field: "messages".into(),
+            prompt_from: PromptFrom::Either,
             shuffle,
             seed: 3,
             chat_template: false,
             epochs,
+            fields: Vec::new(),
         }
     }
 
@@ -506,8 +756,12 @@ mod tests {
         for r in held.iter().chain(&other_seed) {
             assert!(!train_prompts.contains(r.prompt.as_str()), "{}", r.prompt);
             assert!(r.answer.parse::<u64>().is_ok(), "{}", r.answer);
-            let d = r.extra.get("difficulty").and_then(|v| v.as_i64());
-            assert!(matches!(d, Some(1 | 2)), "{:?}", r.extra);
+            let d = r.fields.get("difficulty");
+            assert!(
+                matches!(d, Some(FieldValue::Int(1 | 2))),
+                "{:?}",
+                r.fields
+            );
         }
         // Deterministic from the seed; the whole generator is the union of its splits.
         assert_eq!(
@@ -602,7 +856,7 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let p = dir.join("d.parquet");
         write_parquet(&p, &["1 + 2 =", "3 + 4 ="], &[Some(3), None]);
-        let r = read_parquet(&p, "question", "answer").unwrap();
+        let r = read_parquet(&p, &Layout::plain("question", "answer")).unwrap();
         assert_eq!(
             r,
             vec![
@@ -618,7 +872,7 @@ mod tests {
                 }
             ]
         );
-        let e = read_parquet(&p, "prompt", "answer")
+        let e = read_parquet(&p, &Layout::plain("prompt", "answer"))
             .unwrap_err()
             .to_string();
         assert!(
@@ -629,7 +883,7 @@ mod tests {
             "{e}"
         );
         std::fs::write(&p, b"not parquet").unwrap();
-        let e = read_parquet(&p, "question", "answer")
+        let e = read_parquet(&p, &Layout::plain("question", "answer"))
             .unwrap_err()
             .to_string();
         assert!(e.contains("d.parquet") && e.contains("Parquet"), "{e}");
@@ -642,16 +896,16 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let p = dir.join("d.jsonl");
         std::fs::write(&p, "{\"q\": \"hi\", \"a\": 3}\n\n{\"x\": 1}\n").unwrap();
-        let e = read_jsonl(&p, "q", "a").unwrap_err().to_string();
+        let e = read_jsonl(&p, &Layout::plain("q", "a")).unwrap_err().to_string();
         assert!(
             e.contains("d.jsonl") && e.contains("line 3") && e.contains("`q`"),
             "{e}"
         );
         std::fs::write(&p, "{\"q\": \"hi\", \"a\": 3}\nnot json\n").unwrap();
-        let e = read_jsonl(&p, "q", "a").unwrap_err().to_string();
+        let e = read_jsonl(&p, &Layout::plain("q", "a")).unwrap_err().to_string();
         assert!(e.contains("line 2") && e.contains("not valid JSON"), "{e}");
         std::fs::write(&p, "{\"q\": \"hi\", \"a\": 3}\n").unwrap();
-        let r = read_jsonl(&p, "q", "a").unwrap();
+        let r = read_jsonl(&p, &Layout::plain("q", "a")).unwrap();
         assert_eq!(
             r,
             vec![Record {

@@ -55,6 +55,7 @@ mod record;
 mod setup;
 mod stream;
 pub mod tensorboard;
+mod tokens;
 mod train;
 mod values;
 
@@ -62,6 +63,7 @@ use compute::*;
 pub use record::fingerprint;
 use record::*;
 use setup::*;
+use tokens::*;
 use values::*;
 
 /// How to run a plan.
@@ -134,6 +136,9 @@ pub struct Executor<'p> {
     /// `logprobs` nodes of a trained model whose values are taken from that model's training
     /// forward pass instead of a separate inference pass.
     reused: BTreeSet<NodeId>,
+    /// `score` calls of a reward model whose tokenizer differs from the generating model's:
+    /// they score the rollout's text re-tokenised (`tokens.rs`).
+    retokenize: BTreeSet<NodeId>,
     total_steps: i64,
     first_step: i64,
     /// The generations of the last step to record in `samples.jsonl`.
@@ -199,7 +204,7 @@ impl<'p> Executor<'p> {
                 }
                 Op::Logprobs { model } | Op::Values { model } | Op::Score { model } => {
                     let r = rollout_of(&vals, inputs.first())?;
-                    let seqs: Vec<Rollout> = r.samples.iter().map(|s| s.rollout.clone()).collect();
+                    let seqs = self.sequences_of(id, *model, &r)?;
                     let micro = self.micro_size(id, seqs.len());
                     let v = self.infer(&node.op, *model, &seqs, r.temperature, micro)?;
                     *time.entry("infer").or_default() += t0.elapsed().as_secs_f64();

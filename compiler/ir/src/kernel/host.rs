@@ -114,6 +114,28 @@ pub struct RecordField {
     pub ty: FieldTy,
 }
 
+impl RecordField {
+    /// Checks a record's value of this field (`None`: the record has none). The error says
+    /// what is wrong in words, for a message that names the record's file and line.
+    pub fn check(&self, v: Option<&FieldValue>) -> Result<(), String> {
+        let reader = self.ty.reader();
+        match v {
+            None => Err(format!(
+                "has no field `{}`, which `{reader}(s, \"{}\")` reads",
+                self.name, self.name
+            )),
+            Some(v) if !self.ty.accepts(v) => Err(format!(
+                "field `{}` is {}, but `{reader}` reads {} (read it with `{}`)",
+                self.name,
+                v.describe(),
+                self.ty.describe(),
+                v.ty().reader()
+            )),
+            Some(_) => Ok(()),
+        }
+    }
+}
+
 /// The value of a record field. Deserialises from a JSON scalar (untagged): `true`, `2`,
 /// `2.5`, `"x"`; an integer beyond `i64` becomes a float. Arrays, objects and `null` are not
 /// field values.
@@ -134,6 +156,16 @@ impl FieldValue {
             FieldValue::Int(_) => "an int",
             FieldValue::Float(_) => "a float",
             FieldValue::Str(_) => "a string",
+        }
+    }
+
+    /// Its own type.
+    pub fn ty(&self) -> FieldTy {
+        match self {
+            FieldValue::Bool(_) => FieldTy::Bool,
+            FieldValue::Int(_) => FieldTy::Int,
+            FieldValue::Float(_) => FieldTy::Float,
+            FieldValue::Str(_) => FieldTy::Str,
         }
     }
 }
