@@ -7,7 +7,9 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use braid_ir::kernel::{Arg, Batch, FieldValue, Interpreter, KernelExec, Output, Ragged, SampleText};
+use braid_ir::kernel::{
+    Arg, Batch, FieldValue, Interpreter, KernelExec, Output, Ragged, SampleText,
+};
 use braid_sema::hir::{ExprKind, FnId, SigTy, Value};
 
 use crate::diag::{self, DiskLoader, Format};
@@ -159,8 +161,8 @@ fn eval(args: &Args) -> Result<(), Fail> {
             for f in &wanted {
                 let v = match l.record.get(&f.name) {
                     None => None,
-                    Some(v) => Some(
-                        serde_json::from_value::<FieldValue>(v.clone()).map_err(|_| {
+                    Some(v) => Some(serde_json::from_value::<FieldValue>(v.clone()).map_err(
+                        |_| {
                             Fail(
                                 format!(
                                     "{samples_name}:{}: field `{}` is {}, but `{}` reads {}",
@@ -172,8 +174,8 @@ fn eval(args: &Args) -> Result<(), Fail> {
                                 ),
                                 1,
                             )
-                        })?,
-                    ),
+                        },
+                    )?),
                 };
                 f.check(v.as_ref())
                     .map_err(|why| Fail(format!("{samples_name}:{}: {why}", l.number), 1))?;

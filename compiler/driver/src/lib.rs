@@ -295,20 +295,23 @@ fn token_alignment(plan: &Plan, shapes: &[ModelShape], spans: &PlanSpans) -> Vec
         let (Op::Logprobs { model } | Op::Values { model }) = &node.op else {
             continue;
         };
-        let Some(writer) = plan.graph.inputs(id).first().and_then(|r| {
-            match plan.graph.node(*r).map(|n| &n.op) {
-                Some(Op::Generate { model, .. }) => Some(*model),
-                _ => None,
-            }
-        }) else {
+        let Some(writer) =
+            plan.graph
+                .inputs(id)
+                .first()
+                .and_then(|r| match plan.graph.node(*r).map(|n| &n.op) {
+                    Some(Op::Generate { model, .. }) => Some(*model),
+                    _ => None,
+                })
+        else {
             continue;
         };
         let (Some(rs), Some(ws)) = (shapes.get(*model as usize), shapes.get(writer as usize))
         else {
             continue;
         };
-        let misaligned = rs.vocab != ws.vocab
-            && (rs.vocab < ws.vocab || is_tiny(*model) || is_tiny(writer));
+        let misaligned =
+            rs.vocab != ws.vocab && (rs.vocab < ws.vocab || is_tiny(*model) || is_tiny(writer));
         if !misaligned || !seen.insert((*model, writer)) {
             continue;
         }

@@ -19,9 +19,7 @@ use petgraph::visit::EdgeRef;
 use serde::{Deserialize, Serialize};
 
 use crate::kernel::{Kernel, RecordField};
-pub use crate::settings::{
-    Dtype, Head, LrSchedule, PromptFrom, Speculation, Split, SyntheticKind,
-};
+pub use crate::settings::{Dtype, Head, LrSchedule, PromptFrom, Speculation, Split, SyntheticKind};
 
 /// A node of a [`TaskGraph`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]

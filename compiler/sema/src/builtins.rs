@@ -448,8 +448,15 @@ fn field_name_literal(ch: &mut Checker<'_>, name: &str, e: Option<&ast::Expr>) -
         ast::ExprKind::Str(s) if !s.value.is_empty() => true,
         ast::ExprKind::Str(_) => {
             ch.report(
-                Diagnostic::new(Code::E0316, format!("the field name of `{name}` is empty"), e.span, "no field has an empty name")
-                    .with_help(format!("name the record's field: `{name}(s, \"difficulty\")`")),
+                Diagnostic::new(
+                    Code::E0316,
+                    format!("the field name of `{name}` is empty"),
+                    e.span,
+                    "no field has an empty name",
+                )
+                .with_help(format!(
+                    "name the record's field: `{name}(s, \"difficulty\")`"
+                )),
             );
             false
         }

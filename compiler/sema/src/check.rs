@@ -409,7 +409,9 @@ impl<'a> Checker<'a> {
                 let suggestion = suggest(other, names);
                 let help = match &suggestion {
                     Some(s) => format!("did you mean `.{s}`?"),
-                    None => format!("a `Sample` has `.prompt`, `.completion`, `.answer`, `.length`, `.group` and `.tokens`; read another field of its dataset record with `field(s, \"{other}\")` (a string), `field_int`, `field_float` or `field_bool`"),
+                    None => format!(
+                        "a `Sample` has `.prompt`, `.completion`, `.answer`, `.length`, `.group` and `.tokens`; read another field of its dataset record with `field(s, \"{other}\")` (a string), `field_int`, `field_float` or `field_bool`"
+                    ),
                 };
                 self.report(
                     err(

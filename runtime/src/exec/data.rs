@@ -318,7 +318,11 @@ fn parquet_json(f: &parquet::record::Field) -> Value {
 
 /// One record from a JSON object (a JSONL line, or a Parquet row as JSON); the error says what
 /// is wrong, and the caller adds the file and line.
-fn record(obj: &Map<String, Value>, layout: &Layout, words: Words) -> std::result::Result<Record, String> {
+fn record(
+    obj: &Map<String, Value>,
+    layout: &Layout,
+    words: Words,
+) -> std::result::Result<Record, String> {
     let Words { field, has } = words;
     let present = |k: &str| obj.get(k).is_some_and(|v| !v.is_null());
     let keys = || {
@@ -393,15 +397,17 @@ fn record(obj: &Map<String, Value>, layout: &Layout, words: Words) -> std::resul
     for f in &layout.fields {
         let v = match obj.get(&f.name) {
             None => None,
-            Some(v) => Some(serde_json::from_value::<FieldValue>(v.clone()).map_err(|_| {
-                format!(
-                    "{field} `{}` is {}, but `{}` reads {}",
-                    f.name,
-                    json_kind(v),
-                    f.ty.reader(),
-                    f.ty.describe()
-                )
-            })?),
+            Some(v) => Some(
+                serde_json::from_value::<FieldValue>(v.clone()).map_err(|_| {
+                    format!(
+                        "{field} `{}` is {}, but `{}` reads {}",
+                        f.name,
+                        json_kind(v),
+                        f.ty.reader(),
+                        f.ty.describe()
+                    )
+                })?,
+            ),
         };
         f.check(v.as_ref())?;
         if let Some(v) = v {
@@ -456,7 +462,11 @@ pub fn parse_conversation(
         };
         let role = match m.get("role") {
             Some(Value::String(r)) => r.clone(),
-            Some(other) => return Err(format!("message {n}: `role` must be a string, found {other}")),
+            Some(other) => {
+                return Err(format!(
+                    "message {n}: `role` must be a string, found {other}"
+                ));
+            }
             None => return Err(format!("message {n} has no `role`")),
         };
         if !ROLES.contains(&role.as_str()) {
@@ -757,11 +767,7 @@ mod tests {
             assert!(!train_prompts.contains(r.prompt.as_str()), "{}", r.prompt);
             assert!(r.answer.parse::<u64>().is_ok(), "{}", r.answer);
             let d = r.fields.get("difficulty");
-            assert!(
-                matches!(d, Some(FieldValue::Int(1 | 2))),
-                "{:?}",
-                r.fields
-            );
+            assert!(matches!(d, Some(FieldValue::Int(1 | 2))), "{:?}", r.fields);
         }
         // Deterministic from the seed; the whole generator is the union of its splits.
         assert_eq!(
@@ -896,13 +902,17 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let p = dir.join("d.jsonl");
         std::fs::write(&p, "{\"q\": \"hi\", \"a\": 3}\n\n{\"x\": 1}\n").unwrap();
-        let e = read_jsonl(&p, &Layout::plain("q", "a")).unwrap_err().to_string();
+        let e = read_jsonl(&p, &Layout::plain("q", "a"))
+            .unwrap_err()
+            .to_string();
         assert!(
             e.contains("d.jsonl") && e.contains("line 3") && e.contains("`q`"),
             "{e}"
         );
         std::fs::write(&p, "{\"q\": \"hi\", \"a\": 3}\nnot json\n").unwrap();
-        let e = read_jsonl(&p, &Layout::plain("q", "a")).unwrap_err().to_string();
+        let e = read_jsonl(&p, &Layout::plain("q", "a"))
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("line 2") && e.contains("not valid JSON"), "{e}");
         std::fs::write(&p, "{\"q\": \"hi\", \"a\": 3}\n").unwrap();
         let r = read_jsonl(&p, &Layout::plain("q", "a")).unwrap();
@@ -914,6 +924,295 @@ mod tests {
                 ..Record::default()
             }]
         );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    fn difficulty() -> Vec<RecordField> {
+        vec![RecordField {
+            name: "difficulty".into(),
+            ty: braid_ir::kernel::FieldTy::Int,
+        }]
+    }
+
+    fn msgs(turns: &[(&str, &str)]) -> Vec<ChatMessage> {
+        turns
+            .iter()
+            .map(|(role, content)| ChatMessage {
+                role: (*role).into(),
+                content: (*content).into(),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn conversations_are_prompts_and_their_trailing_turn_an_answer() {
+        let dir = std::env::temp_dir().join(format!("braid-chat-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("chat.jsonl");
+        std::fs::write(
+            &p,
+            concat!(
+                r#"{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}], "difficulty": 1}"#,
+                "\n",
+                r#"{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "3+3?"}], "answer": 6, "difficulty": 2}"#,
+                "\n",
+                r#"{"prompt": "plain 1+1 =", "answer": "2", "difficulty": 1, "other": [1]}"#,
+                "\n"
+            ),
+        )
+        .unwrap();
+        let layout = Layout {
+            fields: difficulty(),
+            prompt_from: PromptFrom::Either,
+            ..Layout::plain("prompt", "answer")
+        };
+        let r = read_jsonl(&p, &layout).unwrap();
+        assert_eq!(r.len(), 3);
+        assert_eq!(r[0].prompt, "2+2?");
+        assert_eq!(r[0].answer, "4", "the trailing assistant turn");
+        assert_eq!(
+            r[0].messages,
+            Some(msgs(&[("system", "Be brief."), ("user", "2+2?")]))
+        );
+        assert_eq!(r[1].prompt, "3+3?");
+        assert_eq!(
+            r[1].answer, "6",
+            "the answer field wins over no trailing turn"
+        );
+        assert_eq!(r[1].messages.as_ref().map(Vec::len), Some(3));
+        assert_eq!(r[2].messages, None);
+        assert_eq!(r[2].conversation(), msgs(&[("user", "plain 1+1 =")]));
+        // Only the fields a kernel reads are kept.
+        assert_eq!(
+            r.iter()
+                .map(|x| x.fields.get("difficulty").cloned())
+                .collect::<Vec<_>>(),
+            vec![
+                Some(FieldValue::Int(1)),
+                Some(FieldValue::Int(2)),
+                Some(FieldValue::Int(1))
+            ]
+        );
+        assert!(r[2].fields.get("other").is_none());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn malformed_conversations_and_missing_fields_name_the_file_and_line() {
+        let dir = std::env::temp_dir().join(format!("braid-chat-bad-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("bad.jsonl");
+        let good = r#"{"messages": [{"role": "user", "content": "ok"}], "difficulty": 1}"#;
+        let layout = Layout {
+            fields: difficulty(),
+            prompt_from: PromptFrom::Either,
+            ..Layout::plain("prompt", "answer")
+        };
+        let cases = [
+            (
+                r#"{"messages": [{"role": "bot", "content": "x"}], "difficulty": 1}"#,
+                "message 1 has role `bot`",
+            ),
+            (
+                r#"{"messages": [{"role": "user", "content": "  "}], "difficulty": 1}"#,
+                "message 1 (user) has empty content",
+            ),
+            (
+                r#"{"messages": [{"role": "system", "content": "s"}], "difficulty": 1}"#,
+                "no `user` turn",
+            ),
+            (
+                r#"{"messages": [{"role": "assistant", "content": "a"}, {"role": "user", "content": "u"}], "difficulty": 1}"#,
+                "before any `user` turn",
+            ),
+            (
+                r#"{"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}], "difficulty": 1}"#,
+                "messages 1 and 2 are both `user` turns",
+            ),
+            (
+                r#"{"messages": [{"role": "user", "content": "a"}, {"role": "system", "content": "b"}], "difficulty": 1}"#,
+                "message 2 is a `system` message after the first",
+            ),
+            (r#"{"messages": [], "difficulty": 1}"#, "no messages"),
+            (r#"{"messages": "hi", "difficulty": 1}"#, "must be an array"),
+            (
+                r#"{"messages": [{"role": "user"}], "difficulty": 1}"#,
+                "message 1 (user) has no `content`",
+            ),
+            (
+                r#"{"prompt": "p", "messages": [{"role": "user", "content": "u"}], "difficulty": 1}"#,
+                "has both a prompt",
+            ),
+            (r#"{"text": "p", "difficulty": 1}"#, "has no prompt"),
+            (
+                r#"{"messages": [{"role": "user", "content": "u"}]}"#,
+                "has no field `difficulty`, which `field_int(s, \"difficulty\")` reads",
+            ),
+            (
+                r#"{"messages": [{"role": "user", "content": "u"}], "difficulty": "hard"}"#,
+                "field `difficulty` is a string, but `field_int` reads an int (read it with `field`)",
+            ),
+            (
+                r#"{"messages": [{"role": "user", "content": "u"}], "difficulty": [1]}"#,
+                "field `difficulty` is an array",
+            ),
+        ];
+        for (line, want) in cases {
+            std::fs::write(&p, format!("{good}\n\n{line}\n")).unwrap();
+            let e = read_jsonl(&p, &layout).unwrap_err().to_string();
+            assert!(
+                e.contains("bad.jsonl") && e.contains("line 3") && e.contains(want),
+                "{line}: {e}"
+            );
+        }
+        // An explicit mapping reads only that field.
+        std::fs::write(&p, format!("{good}\n")).unwrap();
+        let e = read_jsonl(&p, &Layout::plain("prompt", "answer"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("missing field `prompt`"), "{e}");
+        let only_messages = Layout {
+            prompt_from: PromptFrom::Messages,
+            messages_field: "conv".into(),
+            ..Layout::plain("prompt", "answer")
+        };
+        std::fs::write(&p, "{\"prompt\": \"p\"}\n").unwrap();
+        let e = read_jsonl(&p, &only_messages).unwrap_err().to_string();
+        assert!(e.contains("line 1: missing field `conv`"), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_synthetic_source_without_a_read_field_is_an_error_naming_it() {
+        let mut s = spec(
+            DatasetSource::Synthetic {
+                kind: SyntheticKind::Letters,
+                count: 4,
+                seed: 0,
+                digits: 2,
+                split: Split::All,
+            },
+            false,
+            None,
+        );
+        s.fields = difficulty();
+        let e = Dataset::load(&s, Path::new(".")).unwrap_err().to_string();
+        assert!(
+            e.contains("synthetic::letters") && e.contains("no field `difficulty`"),
+            "{e}"
+        );
+        s.source = DatasetSource::Synthetic {
+            kind: SyntheticKind::WordProblems,
+            count: 4,
+            seed: 0,
+            digits: 2,
+            split: Split::All,
+        };
+        assert!(Dataset::load(&s, Path::new(".")).is_ok());
+    }
+
+    /// Writes a Parquet file of conversations (a list of `{role, content}` structs, as
+    /// `datasets` and pyarrow write them) with an optional int column.
+    fn write_chat_parquet(path: &Path, rows: &[Vec<(&str, &str)>], difficulty: &[Option<i64>]) {
+        use parquet::data_type::{ByteArray, ByteArrayType, Int64Type};
+        use parquet::file::properties::WriterProperties;
+        use parquet::file::writer::SerializedFileWriter;
+        use parquet::schema::parser::parse_message_type;
+        use std::sync::Arc;
+        let schema = Arc::new(
+            parse_message_type(
+                "message s {
+                  REQUIRED group messages (LIST) {
+                    REPEATED group list {
+                      REQUIRED group element {
+                        REQUIRED BYTE_ARRAY role (UTF8);
+                        REQUIRED BYTE_ARRAY content (UTF8);
+                      }
+                    }
+                  }
+                  OPTIONAL INT64 difficulty;
+                }",
+            )
+            .unwrap(),
+        );
+        let file = std::fs::File::create(path).unwrap();
+        let mut w =
+            SerializedFileWriter::new(file, schema, Arc::new(WriterProperties::builder().build()))
+                .unwrap();
+        let mut rg = w.next_row_group().unwrap();
+        for part in 0..2 {
+            let mut vals = Vec::new();
+            let (mut defs, mut reps) = (Vec::new(), Vec::new());
+            for row in rows {
+                if row.is_empty() {
+                    defs.push(0);
+                    reps.push(0);
+                }
+                for (i, (role, content)) in row.iter().enumerate() {
+                    vals.push(ByteArray::from(if part == 0 { *role } else { *content }));
+                    defs.push(1);
+                    reps.push(i16::from(i > 0));
+                }
+            }
+            let mut col = rg.next_column().unwrap().unwrap();
+            col.typed::<ByteArrayType>()
+                .write_batch(&vals, Some(&defs), Some(&reps))
+                .unwrap();
+            col.close().unwrap();
+        }
+        let mut col = rg.next_column().unwrap().unwrap();
+        let present: Vec<i64> = difficulty.iter().flatten().copied().collect();
+        let defs: Vec<i16> = difficulty.iter().map(|a| i16::from(a.is_some())).collect();
+        col.typed::<Int64Type>()
+            .write_batch(&present, Some(&defs), None)
+            .unwrap();
+        col.close().unwrap();
+        rg.close().unwrap();
+        w.close().unwrap();
+    }
+
+    #[test]
+    fn parquet_conversations_and_fields_are_read_like_jsonl() {
+        let dir = std::env::temp_dir().join(format!("braid-chat-pq-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("chat.parquet");
+        let rows = vec![
+            vec![
+                ("system", "Be brief."),
+                ("user", "2+2?"),
+                ("assistant", "4"),
+            ],
+            vec![("user", "3+3?")],
+        ];
+        write_chat_parquet(&p, &rows, &[Some(1), Some(2)]);
+        let layout = Layout {
+            fields: difficulty(),
+            prompt_from: PromptFrom::Messages,
+            ..Layout::plain("prompt", "answer")
+        };
+        let r = read_parquet(&p, &layout).unwrap();
+        assert_eq!(r.len(), 2);
+        assert_eq!(
+            r[0].messages,
+            Some(msgs(&[("system", "Be brief."), ("user", "2+2?")]))
+        );
+        assert_eq!((r[0].prompt.as_str(), r[0].answer.as_str()), ("2+2?", "4"));
+        assert_eq!((r[1].prompt.as_str(), r[1].answer.as_str()), ("3+3?", ""));
+        assert_eq!(r[1].fields.get("difficulty"), Some(&FieldValue::Int(2)));
+        // A null field and a bad role name the row.
+        write_chat_parquet(&p, &rows, &[Some(1), None]);
+        let e = read_parquet(&p, &layout).unwrap_err().to_string();
+        assert!(
+            e.contains("chat.parquet") && e.contains("row 2") && e.contains("`difficulty` is null"),
+            "{e}"
+        );
+        write_chat_parquet(
+            &p,
+            &[vec![("user", "a")], vec![("robot", "b")]],
+            &[Some(1), Some(1)],
+        );
+        let e = read_parquet(&p, &layout).unwrap_err().to_string();
+        assert!(e.contains("row 2") && e.contains("role `robot`"), "{e}");
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

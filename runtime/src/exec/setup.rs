@@ -165,16 +165,17 @@ fn token_readers(plan: &Plan, order: &[NodeId], slots: &[Slot]) -> Result<BTreeS
         let Some(node) = plan.graph.node(*id) else {
             continue;
         };
-        let (Op::Logprobs { model } | Op::Values { model } | Op::Score { model }) = &node.op
-        else {
+        let (Op::Logprobs { model } | Op::Values { model } | Op::Score { model }) = &node.op else {
             continue;
         };
-        let generator = plan.graph.inputs(*id).first().and_then(|r| {
-            match plan.graph.node(*r).map(|n| &n.op) {
-                Some(Op::Generate { model, .. }) => Some(*model),
-                _ => None,
-            }
-        });
+        let generator =
+            plan.graph
+                .inputs(*id)
+                .first()
+                .and_then(|r| match plan.graph.node(*r).map(|n| &n.op) {
+                    Some(Op::Generate { model, .. }) => Some(*model),
+                    _ => None,
+                });
         let (Some(reader), Some(writer)) = (
             slots.get(*model as usize),
             generator.and_then(|g| slots.get(g as usize)),
