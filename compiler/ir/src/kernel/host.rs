@@ -55,6 +55,7 @@ impl StrField {
 /// The type a kernel reads a record field as: `field` (a string), `field_int`, `field_float`,
 /// `field_bool`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum FieldTy {
     Str,
     Int,
