@@ -87,7 +87,7 @@ run grpo(policy, chats, reward: topical) {
 "#;
 
 fn chat_line(i: usize, with_level: bool) -> String {
-    let topic = if i % 2 == 0 { "vowels" } else { "letters" };
+    let topic = if i.is_multiple_of(2) { "vowels" } else { "letters" };
     let mut v = json!({
         "messages": [
             {"role": "system", "content": "Answer in letters."},
@@ -96,7 +96,7 @@ fn chat_line(i: usize, with_level: bool) -> String {
             {"role": "user", "content": format!("again {i}")}
         ],
         "topic": topic,
-        "weight": if i % 3 == 0 { json!(2) } else { json!(0.5) },
+        "weight": if i.is_multiple_of(3) { json!(2) } else { json!(0.5) },
     });
     if with_level {
         v["level"] = json!(i % 4);

@@ -1111,7 +1111,7 @@ impl Plan {
         }
         for (d, mut fields) in need {
             if let Some(spec) = self.datasets.get_mut(d as usize) {
-                fields.extend(spec.fields.drain(..));
+                fields.append(&mut spec.fields);
                 fields.sort();
                 fields.dedup();
                 spec.fields = fields;

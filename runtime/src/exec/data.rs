@@ -993,7 +993,7 @@ mod tests {
                 Some(FieldValue::Int(1))
             ]
         );
-        assert!(r[2].fields.get("other").is_none());
+        assert!(!r[2].fields.contains_key("other"));
         let _ = std::fs::remove_dir_all(&dir);
     }
 
