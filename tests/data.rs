@@ -87,7 +87,11 @@ run grpo(policy, chats, reward: topical) {
 "#;
 
 fn chat_line(i: usize, with_level: bool) -> String {
-    let topic = if i.is_multiple_of(2) { "vowels" } else { "letters" };
+    let topic = if i.is_multiple_of(2) {
+        "vowels"
+    } else {
+        "letters"
+    };
     let mut v = json!({
         "messages": [
             {"role": "system", "content": "Answer in letters."},
