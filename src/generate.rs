@@ -192,6 +192,7 @@ fn run_inner(args: &Args) -> Result<(), Error> {
         max_batch: args.max_batch as usize,
         speculate: args.speculate.clone(),
         draft_len: None,
+        first_prompt: 0,
     };
     let many = texts.len() * args.n as usize > 1;
     let stdout = std::io::stdout();

@@ -56,6 +56,7 @@ fn run(m: &Model, tok: &Tokenizer, w: &Workload, mode: &SpeculateMode) -> Result
         max_batch: w.max_batch,
         speculate: mode.clone(),
         draft_len: None,
+        first_prompt: 0,
     };
     let t = Instant::now();
     let c = cpu_seconds();

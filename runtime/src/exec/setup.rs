@@ -8,7 +8,9 @@ impl<'p> Executor<'p> {
     /// Builds the models, loads the data, compiles the kernels, and restores the latest
     /// checkpoint when resuming.
     pub fn new(exec: &'p ExecPlan, options: RunOptions) -> Result<Executor<'p>> {
-        check_world(exec, options.device)?;
+        let world = options.dist.as_ref().map_or(1, |d| d.world.size);
+        let rank = options.dist.as_ref().map_or(0, |d| d.world.rank);
+        check_world(exec, options.device, world)?;
         let plan = &exec.plan;
         crate::device::set_cpu_threads(options.threads);
         let total_steps = options.steps.unwrap_or(plan.steps).min(plan.steps).max(0);
@@ -20,16 +22,26 @@ impl<'p> Executor<'p> {
         for d in &plan.datasets {
             datasets.push(Dataset::load(d, &options.base_dir)?);
         }
-        // Optimizer steps per train node and per model, for the schedules.
+        // Optimizer steps per train node and per model, for the schedules; and which models
+        // this rank holds (those with a call here) and trains (those with a `train` here).
         let mut opt_steps: BTreeMap<u32, i64> = BTreeMap::new();
+        let mut here: BTreeSet<u32> = BTreeSet::new();
+        let mut trains_here: BTreeSet<u32> = BTreeSet::new();
         let reused: BTreeSet<NodeId> = exec.decisions.reused_logprobs.keys().copied().collect();
-        // Models that generate while a streamed consumer runs on the same model: they need a
-        // replica to generate on.
+        // Models that generate while a streamed consumer runs on the same model on this rank:
+        // they need a replica to generate on.
         let mut needs_replica: BTreeSet<u32> = Default::default();
         for id in &order {
             let Some(node) = plan.graph.node(*id) else {
                 continue;
             };
+            let on_rank = |id: NodeId| {
+                exec.placement(id)
+                    .is_some_and(|p| p.devices().contains(&(rank as u64)))
+            };
+            if let (Some(m), true) = (node.op.model(), on_rank(*id)) {
+                here.insert(m);
+            }
             if let Op::Train {
                 model,
                 epochs,
@@ -37,23 +49,31 @@ impl<'p> Executor<'p> {
             } = &node.op
             {
                 *opt_steps.entry(*model).or_default() += epochs * minibatches * total_steps;
+                if on_rank(*id) {
+                    trains_here.insert(*model);
+                }
             }
             if let Op::Generate { model, .. } = &node.op
-                && exec
-                    .streamed(*id)
-                    .iter()
-                    .any(|(c, _)| plan.graph.node(*c).and_then(|n| n.op.model()) == Some(*model))
+                && on_rank(*id)
+                && exec.streamed(*id).iter().any(|(c, _)| {
+                    plan.graph.node(*c).and_then(|n| n.op.model()) == Some(*model) && on_rank(*c)
+                })
             {
                 needs_replica.insert(*model);
             }
         }
         let mut slots = Vec::new();
         for (i, spec) in plan.models.iter().enumerate() {
-            let (model, tokenizer) = build_model(plan, i, &options.base_dir, options.device)?;
-            let trained = opt_steps.contains_key(&(i as u32));
-            let opt = match (&spec.optimizer, trained) {
-                (Some(c), true) => Some(AdamW::new(&model, c.clone())?),
-                (None, true) => {
+            let slot = i as u32;
+            let (model, tokenizer) = if here.contains(&slot) {
+                let (m, t) = build_model(plan, i, &options.base_dir, options.device)?;
+                (Some(m), t)
+            } else {
+                (None, build_tokenizer(plan, i, &options.base_dir)?)
+            };
+            let opt = match (&spec.optimizer, trains_here.contains(&slot), &model) {
+                (Some(c), true, Some(m)) => Some(AdamW::new(m, c.clone())?),
+                (None, true, _) => {
                     return Err(Error::invalid(
                         format!("model `{}`", spec.name),
                         "is trained but declares no `train:` optimizer",
@@ -66,11 +86,42 @@ impl<'p> Executor<'p> {
                 model,
                 tokenizer,
                 opt,
-                total_opt_steps: opt_steps.get(&(i as u32)).copied().unwrap_or(0),
+                total_opt_steps: opt_steps.get(&slot).copied().unwrap_or(0),
                 replica: None,
             });
         }
         let retokenize = token_readers(plan, &order, &slots)?;
+        if world > 1 && plan.eval.is_some() {
+            return Err(Error::invalid(
+                "eval",
+                "evaluation during training runs in one process only for now; run without `eval`, or evaluate a checkpoint with `braid run --eval-only`",
+            ));
+        }
+        if let Some(bad) = exec
+            .decisions
+            .placements
+            .iter()
+            .chain(&exec.decisions.subtask_placements)
+            .find(|(_, p)| p.tp > 1 || p.pp > 1)
+        {
+            return Err(Error::invalid(
+                "plan",
+                format!(
+                    "{} runs with tensor parallelism {} and pipeline parallelism {}; this runtime executes data-parallel layouts only (tp 1, pp 1): plan with `place` pins of `tp 1 pp 1`",
+                    bad.0, bad.1.tp, bad.1.pp
+                ),
+            ));
+        }
+        if !exec.decisions.interleave.is_empty() {
+            return Err(Error::invalid(
+                "plan",
+                "interleaves two trainings into one fused pipeline schedule, which this runtime does not execute yet: plan with `fuse off` or without `interleave` pins",
+            ));
+        }
+        let comm = match &options.dist {
+            Some(d) if d.world.size > 1 => Comm::connect(exec, d)?,
+            _ => Comm::single(),
+        };
         let jit = Jit::new().map_err(|e| Error::invalid("jit", e.to_string()))?;
         let mut kernels = BTreeMap::new();
         for id in &order {
@@ -87,6 +138,7 @@ impl<'p> Executor<'p> {
             exec,
             plan,
             options,
+            comm,
             slots,
             datasets,
             cursors: vec![0; plan.datasets.len()],
@@ -105,7 +157,7 @@ impl<'p> Executor<'p> {
             if ex.slots[i].opt.is_some() {
                 let (mut replica, _) =
                     build_model(plan, i, &ex.options.base_dir, ex.options.device)?;
-                copy_weights(&mut replica, &ex.slots[i].model)?;
+                copy_weights(&mut replica, ex.slots[i].model()?)?;
                 ex.slots[i].replica = Some(replica);
             }
         }
@@ -203,19 +255,20 @@ fn token_readers(plan: &Plan, order: &[NodeId], slots: &[Slot]) -> Result<BTreeS
     Ok(retokenize)
 }
 
-/// Refuses a plan made for another world: this process is one device (the CPU, or the first
-/// CUDA device), so the plan's cluster must be one device of that kind.
-fn check_world(exec: &ExecPlan, device: Device) -> Result<()> {
+/// Refuses a plan made for another world: one process per device, so the plan's cluster must
+/// have as many devices as the world has processes, of the kind this process has.
+fn check_world(exec: &ExecPlan, device: Device, world: usize) -> Result<()> {
     let c = &exec.cluster;
     let want_cpu = c.device == braid_cost::cost::DeviceKind::Cpu;
     let have_cpu = device == Device::Cpu;
-    if c.devices() != 1 {
+    if c.devices() != world as u64 {
         return Err(Error::invalid(
             "plan",
             format!(
-                "is for {} devices ({c}) but this run is one process on one device; plan it for one device (`--cluster cpu` or `--cluster 1x1x{}`)",
+                "is for {} devices ({c}) but this run has {world} process{} (one per device); launch one per device (`braid launch --nproc-per-node {}`) or plan for this world",
                 c.devices(),
-                c.device.name()
+                if world == 1 { "" } else { "es" },
+                c.devices()
             ),
         ));
     }
@@ -296,6 +349,38 @@ pub(super) fn build_model(
         }
         ModelSource::FrozenOf(_) => Err(Error::invalid(
             format!("model `{}`", spec.name),
+            "is a frozen copy of itself",
+        )),
+    }
+}
+
+/// The tokenizer of a model this rank does not hold: the byte tokenizer of tiny models, or
+/// the one of a Hugging Face directory or GGUF file (no weights are read).
+pub(super) fn build_tokenizer(plan: &Plan, slot: usize, base_dir: &Path) -> Result<Tokenizer> {
+    let mut src = slot;
+    for _ in 0..=plan.models.len() {
+        match &plan.models[src].source {
+            ModelSource::FrozenOf(of) => src = *of as usize,
+            _ => break,
+        }
+    }
+    match &plan.models[src].source {
+        ModelSource::Tiny { .. } => Ok(Tokenizer::bytes()),
+        ModelSource::Hf { dir } => {
+            let path = if Path::new(dir).is_absolute() {
+                PathBuf::from(dir)
+            } else {
+                base_dir.join(dir)
+            };
+            let config = if crate::models::gguf::is_gguf(&path) {
+                crate::models::gguf::GgufFile::open(&path)?.config()?
+            } else {
+                crate::models::config::ModelConfig::from_file(&path.join("config.json"))?
+            };
+            Tokenizer::from_dir(&path, &config)
+        }
+        ModelSource::FrozenOf(_) => Err(Error::invalid(
+            format!("model `{}`", plan.models[slot].name),
             "is a frozen copy of itself",
         )),
     }

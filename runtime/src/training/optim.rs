@@ -44,6 +44,12 @@ impl AdamW {
         })
     }
 
+    /// The trained parameters, in a fixed order (shallow copies: the same storage, so their
+    /// gradients are the parameters' own).
+    pub fn parameters(&self) -> Vec<Tensor> {
+        self.params.iter().map(|(_, t)| t.shallow_clone()).collect()
+    }
+
     /// The learning rate of optimizer step `step` (0-based) of `total`.
     pub fn lr_at(&self, step: i64, total: i64) -> f64 {
         lr_at(&self.config, step, total)
