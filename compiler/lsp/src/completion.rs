@@ -368,7 +368,7 @@ mod tests {
         let general = labels_at_end("fn f(s: Sample) -> float {\n  1.");
         assert!(general.iter().any(|l| l == "len") && !general.iter().any(|l| l == "prompt"));
         let cluster = labels_at_end("cluster {\n  gpus: 8\n  g");
-        assert_eq!(cluster, ["gpus", "gpu", "nodes", "cpu"]);
+        assert_eq!(cluster, ["gpus", "gpu", "nodes", "cpu", "cpus"]);
         let dataset = labels_at_end("dataset d = jsonl(\"x\") { shuffle: true, ");
         assert!(dataset.contains(&"fields".to_string()), "{dataset:?}");
         // A value position inside an options block is not a key position.
