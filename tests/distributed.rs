@@ -408,3 +408,91 @@ fn a_killed_rank_is_named_and_the_run_resumes() {
     assert!(recorded >= 5);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A program that declares its cluster is planned for it: launched into a world of another
+/// size, every rank refuses before any work, saying why; and one process refuses it too.
+#[test]
+fn a_world_that_does_not_match_the_declared_cluster_is_refused() {
+    let dir = tmp("mismatch");
+    let file = dir.join("four.rlhf");
+    std::fs::write(&file, format!("{SMALL}\ncluster {{ cpus: 4 }}\n")).unwrap();
+    let run_dir = dir.join("run");
+    let (ok, stderr) = launch_run(
+        2,
+        &[
+            file.to_str().unwrap(),
+            "--run-dir",
+            run_dir.to_str().unwrap(),
+        ],
+        Duration::from_secs(300),
+    );
+    assert!(!ok, "{stderr}");
+    assert!(
+        stderr.contains("is for 4 devices (4xcpu) but this run has 2 processes"),
+        "{stderr}"
+    );
+    assert!(!run_dir.join("metrics.jsonl").exists());
+    let out = run_one(&[
+        file.to_str().unwrap(),
+        "--run-dir",
+        run_dir.to_str().unwrap(),
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("this run has 1 process"));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `braid generate` under `braid launch`: each rank generates a block of the prompts and rank
+/// 0 prints them all (ordered by prompt and sample), in the form and with the texts one
+/// process gives.
+#[test]
+fn generate_on_two_ranks_prints_what_one_process_does() {
+    let dir = tmp("generate");
+    let prompts = dir.join("p.jsonl");
+    std::fs::write(&prompts, "\"one\"\n\"two prompts\"\n\"three\"\n").unwrap();
+    let args = [
+        "generate",
+        "--model",
+        "tiny",
+        "--prompts",
+        prompts.to_str().unwrap(),
+        "--n",
+        "2",
+        "--max-new-tokens",
+        "12",
+        "--seed",
+        "9",
+        "--format",
+        "json",
+    ];
+    let one = braid().args(args).output().unwrap();
+    assert!(
+        one.status.success(),
+        "{}",
+        String::from_utf8_lossy(&one.stderr)
+    );
+    let mut all = vec!["launch", "--nproc-per-node", "2", "--grace", "30"];
+    all.extend_from_slice(&args);
+    let two = braid().args(&all).output().unwrap();
+    let stderr = String::from_utf8_lossy(&two.stderr).into_owned();
+    // End the ranks whatever happened.
+    for (_, pid) in rank_pids(&stderr) {
+        let _ = Command::new("kill")
+            .args(["-9", &pid.to_string()])
+            .stderr(Stdio::null())
+            .status();
+    }
+    assert!(two.status.success(), "{stderr}");
+    // One process prints samples as they finish; rank 0 prints them by prompt and sample.
+    let sorted = |b: &[u8]| {
+        let mut v: Vec<String> = String::from_utf8_lossy(b)
+            .lines()
+            .map(String::from)
+            .collect();
+        v.sort();
+        v
+    };
+    assert_eq!(sorted(&two.stdout), sorted(&one.stdout));
+    assert_eq!(String::from_utf8_lossy(&one.stdout).lines().count(), 6);
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -173,7 +173,7 @@ impl Comm {
 }
 
 /// Every rank's bytes over `group`: their lengths first, then the bytes padded to the longest.
-pub(super) fn all_gather_bytes(group: &ProcessGroup, mine: Vec<u8>) -> Result<Vec<Vec<u8>>> {
+pub fn all_gather_bytes(group: &ProcessGroup, mine: Vec<u8>) -> Result<Vec<Vec<u8>>> {
     let n = group.size();
     let mut lens = Tensor::zeros([n as i64], (Kind::Int64, Device::Cpu));
     let me = Tensor::from_slice(&[mine.len() as i64]);

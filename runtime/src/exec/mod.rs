@@ -62,13 +62,14 @@ mod train;
 mod values;
 
 use comm::Comm;
-pub use comm::{DistOptions, mesh_groups, stream_pairs};
+pub use comm::{DistOptions, all_gather_bytes, mesh_groups, prompt_block, stream_pairs};
 use compute::*;
 pub use record::fingerprint;
 use record::*;
 use setup::*;
 use tokens::*;
 use values::*;
+pub use values::{decode_samples, encode_samples};
 
 /// How to run a plan.
 #[derive(Debug, Clone)]

@@ -212,7 +212,7 @@ impl Unwire<'_> {
 }
 
 /// Samples (with their index in the rollout) as bytes for another rank.
-pub(super) fn encode_samples(samples: &[(usize, Sample)]) -> Vec<u8> {
+pub fn encode_samples(samples: &[(usize, Sample)]) -> Vec<u8> {
     let mut w = Wire::default();
     w.u64(samples.len() as u64);
     for (i, s) in samples {
@@ -227,7 +227,8 @@ pub(super) fn encode_samples(samples: &[(usize, Sample)]) -> Vec<u8> {
     w.0
 }
 
-pub(super) fn decode_samples(b: &[u8]) -> Result<Vec<(usize, Sample)>> {
+/// The samples [`encode_samples`] wrote; a cut or malformed buffer is an error.
+pub fn decode_samples(b: &[u8]) -> Result<Vec<(usize, Sample)>> {
     let mut r = Unwire(b);
     let n = r.len(1)?;
     let mut out = Vec::with_capacity(n);
