@@ -7,7 +7,9 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use braid_ir::kernel::{Arg, Batch, Interpreter, KernelExec, Output, Ragged, SampleText};
+use braid_ir::kernel::{
+    Arg, Batch, FieldValue, Interpreter, KernelExec, Output, Ragged, SampleText,
+};
 use braid_sema::hir::{ExprKind, FnId, SigTy, Value};
 
 use crate::diag::{self, DiskLoader, Format};
@@ -20,7 +22,8 @@ pub struct Args {
     #[arg(long = "fn", value_name = "NAME")]
     function: String,
     /// Samples, one JSON object per line: `prompt`, `completion`, `answer`, `group`, `length`,
-    /// and a field per PerToken (array of numbers) or PerSample (number) parameter.
+    /// a field per PerToken (array of numbers) or PerSample (number) parameter, and the record
+    /// fields the function reads (`field_int(s, "difficulty")`).
     #[arg(long, value_name = "FILE.jsonl")]
     samples: PathBuf,
     /// A scalar or string parameter: `--arg gamma=0.99`.
@@ -42,6 +45,16 @@ pub fn run(args: Args) -> ExitCode {
             }
             ExitCode::from(code)
         }
+    }
+}
+
+/// What a JSON value that is not a field value is, in words.
+fn json_kind(v: &serde_json::Value) -> &'static str {
+    match v {
+        serde_json::Value::Null => "null",
+        serde_json::Value::Array(_) => "an array",
+        serde_json::Value::Object(_) => "an object",
+        _ => "a scalar",
     }
 }
 
@@ -138,13 +151,43 @@ fn eval(args: &Args) -> Result<(), Fail> {
             Some(other) => Ok(other.to_string()),
         }
     };
+    // The record fields the function reads (`field_int(s, "difficulty")`), checked on every
+    // line as a dataset's records are when a run loads them.
+    let wanted = lowered.kernel.record_fields();
     let texts: Vec<SampleText> = lines
         .iter()
         .map(|l| {
+            let mut fields = braid_ir::kernel::Fields::new();
+            for f in &wanted {
+                let v = match l.record.get(&f.name) {
+                    None => None,
+                    Some(v) => Some(serde_json::from_value::<FieldValue>(v.clone()).map_err(
+                        |_| {
+                            Fail(
+                                format!(
+                                    "{samples_name}:{}: field `{}` is {}, but `{}` reads {}",
+                                    l.number,
+                                    f.name,
+                                    json_kind(v),
+                                    f.ty.reader(),
+                                    f.ty.describe()
+                                ),
+                                1,
+                            )
+                        },
+                    )?),
+                };
+                f.check(v.as_ref())
+                    .map_err(|why| Fail(format!("{samples_name}:{}: {why}", l.number), 1))?;
+                if let Some(v) = v {
+                    fields.insert(f.name.clone(), v);
+                }
+            }
             Ok(SampleText {
                 prompt: field_str(l, "prompt")?,
                 completion: field_str(l, "completion")?,
                 answer: field_str(l, "answer")?,
+                fields,
             })
         })
         .collect::<Result<_, Fail>>()?;

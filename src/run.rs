@@ -282,6 +282,11 @@ fn execute(args: &Args) -> Result<(), Fail> {
             eprintln!("streaming under {}: {}", call(g), list.join(", "));
         }
     }
+    for rm in ex.retokenizing_models() {
+        eprintln!(
+            "reward model `{rm}` has its own tokenizer: it scores each rollout's decoded text, re-tokenised"
+        );
+    }
     let total = ex.total_steps();
     let first = ex.first_step();
     if !lead {

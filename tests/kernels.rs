@@ -336,3 +336,134 @@ fn eval_prints_one_result_per_sample_and_names_bad_lines() {
     let unknown = braid(&["eval", f.to_str().unwrap(), "--fn", "nope", "--samples", s]);
     assert_eq!(unknown.status.code(), Some(2));
 }
+
+/// A reward that reads its records' other fields and compares texts, written in the language:
+/// both backends agree, and `braid eval` reads the fields from the samples file, naming the
+/// line of a sample without one.
+const FIELD_REWARD: &str = r#"
+fn weighted(s: Sample) -> float {
+  let base = if answer_matches(s.completion, s.answer) { 1.0 } else { 0.0 }
+  let bonus = if field(s, "topic") == "math" && field_bool(s, "verified") { 0.5 } else { 0.0 }
+  let same = if s.completion != field(s, "topic") { 0.0 } else { 100.0 }
+  base * field_float(s, "weight") * field_int(s, "difficulty") + bonus + same
+}
+"#;
+
+#[test]
+fn record_fields_reach_a_reward_on_both_backends() {
+    use braid_ir::kernel::{FieldTy, FieldValue, Fields, SampleText};
+    let checked = braid_sema::check("fields.rlhf", FIELD_REWARD, &braid_sema::NoImports);
+    assert!(!checked.has_errors(), "{:?}", checked.diagnostics);
+    let lowered =
+        braid_sema::lower_kernel::lower_fn(&checked.program, FnId(0), &BTreeMap::new()).unwrap();
+    let fields: Vec<(String, FieldTy)> = lowered
+        .kernel
+        .record_fields()
+        .into_iter()
+        .map(|f| (f.name, f.ty))
+        .collect();
+    assert_eq!(
+        fields,
+        vec![
+            ("difficulty".to_string(), FieldTy::Int),
+            ("topic".to_string(), FieldTy::Str),
+            ("verified".to_string(), FieldTy::Bool),
+            ("weight".to_string(), FieldTy::Float),
+        ]
+    );
+    let text = |completion: &str, answer: &str, topic: &str, weight: FieldValue, d: i64| {
+        let mut f = Fields::new();
+        f.insert("topic".into(), FieldValue::Str(topic.into()));
+        f.insert("verified".into(), FieldValue::Bool(true));
+        f.insert("weight".into(), weight);
+        f.insert("difficulty".into(), FieldValue::Int(d));
+        SampleText {
+            prompt: String::new(),
+            completion: completion.into(),
+            answer: answer.into(),
+            fields: f,
+        }
+    };
+    let texts = vec![
+        text("so 12", "12", "math", FieldValue::Float(0.5), 2),
+        text("so 12", "13", "art", FieldValue::Int(3), 2),
+        text("art", "1", "art", FieldValue::Int(1), 1),
+    ];
+    let batch = Batch {
+        n_samples: 3,
+        texts: Some(&texts),
+        ..Default::default()
+    };
+    let out = run_both(&checked.program, "weighted", &[], &batch, &[Arg::Sample]);
+    assert_eq!(samples(&out), &[1.5, 0.0, 100.0]);
+}
+
+#[test]
+fn eval_reads_record_fields_and_names_a_line_without_one() {
+    let dir = std::env::temp_dir().join(format!("braid-eval-fields-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let program = dir.join("r.rlhf");
+    std::fs::write(&program, FIELD_REWARD).unwrap();
+    let samples = dir.join("s.jsonl");
+    let line = |topic: &str, weight: &str| {
+        format!(
+            "{{\"completion\": \"12\", \"answer\": \"12\", \"topic\": \"{topic}\", \"verified\": true, \"weight\": {weight}, \"difficulty\": 2}}\n"
+        )
+    };
+    std::fs::write(&samples, line("math", "0.25") + &line("art", "1")).unwrap();
+    let args = |s: &std::path::Path| {
+        vec![
+            "eval".to_string(),
+            program.to_str().unwrap().to_string(),
+            "--fn".into(),
+            "weighted".into(),
+            "--samples".into(),
+            s.to_str().unwrap().to_string(),
+        ]
+    };
+    let run = |s: &std::path::Path| {
+        let a = args(s);
+        braid(&a.iter().map(String::as_str).collect::<Vec<_>>())
+    };
+    let out = run(&samples);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let values: Vec<f64> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["value"]
+                .as_f64()
+                .unwrap()
+        })
+        .collect();
+    assert_eq!(values, vec![1.0, 2.0]);
+    // The second line lacks `difficulty`; then it holds a string where an int is read.
+    let full = line("math", "1");
+    std::fs::write(
+        &samples,
+        full.clone() + &full.replace(", \"difficulty\": 2", ""),
+    )
+    .unwrap();
+    let err = String::from_utf8_lossy(&run(&samples).stderr).to_string();
+    assert!(
+        err.contains("s.jsonl:2")
+            && err.contains("no field `difficulty`")
+            && err.contains("field_int"),
+        "{err}"
+    );
+    std::fs::write(
+        &samples,
+        full.replace("\"difficulty\": 2", "\"difficulty\": \"2\""),
+    )
+    .unwrap();
+    let err = String::from_utf8_lossy(&run(&samples).stderr).to_string();
+    assert!(
+        err.contains("s.jsonl:1") && err.contains("is a string") && err.contains("field_int"),
+        "{err}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

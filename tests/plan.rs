@@ -233,7 +233,7 @@ fn plan_files_show_as_planned_and_bad_ones_are_refused() {
             "version",
             {
                 let mut x = v.clone();
-                x["version"] = 2.into();
+                x["version"] = (braid_ir::exec_plan::PLAN_VERSION + 1).into();
                 x
             },
             "version",

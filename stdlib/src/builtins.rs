@@ -293,6 +293,34 @@ pub const BUILTINS: &[Builtin] = &[
         ret: "number|PerToken",
         doc: "The value, cut from the gradient: the loss is differentiated as if `x` were a constant (CISPO's clipped weight, a baseline).",
     },
+    Builtin {
+        name: "field",
+        place: Place::Fn,
+        params: &[p("s", "Sample"), p("name", "string")],
+        ret: "string",
+        doc: "The string field `name` of the dataset record the sample's prompt came from: `field(s, \"topic\")`. The name is a literal. Every record of the data the function scores must hold it as a string; one that does not is an error naming its file and line when the dataset is loaded.",
+    },
+    Builtin {
+        name: "field_int",
+        place: Place::Fn,
+        params: &[p("s", "Sample"), p("name", "string")],
+        ret: "int",
+        doc: "The integer field `name` of the sample's dataset record: `field_int(s, \"difficulty\")`. Checked when the dataset is loaded, like `field`.",
+    },
+    Builtin {
+        name: "field_float",
+        place: Place::Fn,
+        params: &[p("s", "Sample"), p("name", "string")],
+        ret: "float",
+        doc: "The numeric field `name` of the sample's dataset record, as a float (an integer converts). Checked when the dataset is loaded, like `field`.",
+    },
+    Builtin {
+        name: "field_bool",
+        place: Place::Fn,
+        params: &[p("s", "Sample"), p("name", "string")],
+        ret: "bool",
+        doc: "The boolean field `name` of the sample's dataset record. Checked when the dataset is loaded, like `field`.",
+    },
 ];
 
 /// Looks a built-in function up by name.
@@ -387,7 +415,7 @@ pub const DATASET_OPTIONS: &[OptionSpec] = &[
     o(
         "fields",
         "{ prompt: string, answer: string }",
-        "Which fields of each record hold the prompt and the reference answer.",
+        "Which fields of each record hold the prompt (or the chat messages) and the reference answer.",
     ),
     o(
         "shuffle",
@@ -417,7 +445,12 @@ pub const FIELD_OPTIONS: &[OptionSpec] = &[
     o(
         "answer",
         "string",
-        "The record field holding the reference answer (`s.answer`). Default: \"answer\".",
+        "The record field holding the reference answer (`s.answer`). Default: \"answer\"; a conversation without one takes its trailing assistant turn.",
+    ),
+    o(
+        "messages",
+        "string",
+        "The record field holding a conversation: an array of `{ role, content }` messages (system, user, assistant) whose turns up to the last user turn are the prompt, rendered with the policy's chat template. Default: \"messages\", used by a record without a prompt field.",
     ),
 ];
 

@@ -109,6 +109,7 @@ codes! {
     E0503 => "invalid-device-range", Error, "a `place` pin names devices the cluster does not have";
     E0504 => "plan-exceeds-memory", Error, "a model call, or the models a device holds, do not fit its memory";
     E0505 => "unknown-model-shape", Error, "a model's architecture cannot be read from its directory or a preset";
+    E0506 => "token-misaligned", Error, "a model reads the generated tokens of a model with another vocabulary";
     // Warnings.
     W0001 => "unused-let", Warning, "a `let` binding is never used";
     W0002 => "unused-model", Warning, "a declared model is never used by the run";

@@ -19,7 +19,7 @@ use braid_cost::cost::{DeviceKind, ModelShape};
 use braid_cost::sim::LengthDist;
 use braid_diagnostics::{Code, Diagnostic, SourceMap};
 use braid_ir::exec_plan::ExecPlan;
-use braid_ir::graph::{Dtype, ModelSource};
+use braid_ir::graph::{Dtype, ModelSource, Op, Plan};
 use braid_passes::annotated::{
     Annotated, FusePin, PinTarget, Pins, PlacePin, SpeculatePin, default_workload,
 };
@@ -218,6 +218,8 @@ pub fn prepare(
             return c;
         }
     };
+    c.diagnostics
+        .extend(token_alignment(&lowered, &shapes, &c.spans));
     let mut workload = default_workload(&lowered);
     if let Some(l) = &options.lengths {
         workload.lengths = l.clone();
@@ -262,6 +264,79 @@ pub fn plan(c: &mut Compiled, options: &Options, after: &mut dyn FnMut(&str, &An
     diags.extend(render::resident_memory_diagnostics(&a, &c.spans));
     c.diagnostics.extend(diags);
     c.planned = Some(a);
+}
+
+/// `E0506 token-misaligned`: a `logprobs` or `values` call gives one number per token of a
+/// rollout, so its model must read the generating model's token ids with their meaning. What
+/// the shapes show for certain: a model whose embedding has fewer rows than the generator's
+/// vocabulary cannot read every id the generator may sample, and a `tiny` model's byte
+/// vocabulary is another tokenizer than any vocabulary of another size. (Two Hugging Face
+/// models whose sizes differ otherwise may share a tokenizer with padded embeddings, as the
+/// sizes of one family do; the runtime compares their vocabularies.) A reward model is not
+/// checked: `score` reads text it re-tokenises when its tokenizer differs.
+fn token_alignment(plan: &Plan, shapes: &[ModelShape], spans: &PlanSpans) -> Vec<Diagnostic> {
+    let is_tiny = |slot: u32| {
+        let mut s = slot as usize;
+        for _ in 0..=plan.models.len() {
+            match plan.models.get(s).map(|m| &m.source) {
+                Some(ModelSource::FrozenOf(of)) => s = *of as usize,
+                Some(ModelSource::Tiny { .. }) => return true,
+                _ => return false,
+            }
+        }
+        false
+    };
+    let mut seen = std::collections::BTreeSet::new();
+    let mut out = Vec::new();
+    for id in plan.graph.node_ids() {
+        let Some(node) = plan.graph.node(id) else {
+            continue;
+        };
+        let (Op::Logprobs { model } | Op::Values { model }) = &node.op else {
+            continue;
+        };
+        let Some(writer) =
+            plan.graph
+                .inputs(id)
+                .first()
+                .and_then(|r| match plan.graph.node(*r).map(|n| &n.op) {
+                    Some(Op::Generate { model, .. }) => Some(*model),
+                    _ => None,
+                })
+        else {
+            continue;
+        };
+        let (Some(rs), Some(ws)) = (shapes.get(*model as usize), shapes.get(writer as usize))
+        else {
+            continue;
+        };
+        let misaligned =
+            rs.vocab != ws.vocab && (rs.vocab < ws.vocab || is_tiny(*model) || is_tiny(writer));
+        if !misaligned || !seen.insert((*model, writer)) {
+            continue;
+        }
+        let name = |m: u32| plan.models.get(m as usize).map_or("?", |s| s.name.as_str());
+        let (reader, maker) = (name(*model), name(writer));
+        let span = spans.models.get(reader).copied().unwrap_or(spans.run);
+        let mut d = Diagnostic::new(
+            Code::E0506,
+            format!(
+                "model `{reader}` cannot read the tokens `{maker}` generates: its vocabulary has {} entries, `{maker}`'s {}",
+                rs.vocab, ws.vocab
+            ),
+            span,
+            format!("`{}` reads `{maker}`'s token ids", node.op.name()),
+        )
+        .with_help(format!(
+            "`{}` gives a number per generated token, so `{reader}` must use `{maker}`'s tokenizer: start it from `{maker}`'s checkpoint or a model of its family; only a reward model, read through `score`, may have its own tokenizer (it scores the decoded text)",
+            node.op.name()
+        ));
+        if let Some(w) = spans.models.get(maker) {
+            d = d.with_label(*w, format!("`{maker}` generates the rollout"));
+        }
+        out.push(d);
+    }
+    out
 }
 
 /// The program's `cluster` block, else one CPU.

@@ -12,7 +12,7 @@
 //! the plan does not say is a bug in the plan.
 //!
 //! **The JSON form** (`braid plan FILE --emit plan.json`, `RUN_DIR/plan.json`) is versioned:
-//! `{"format": "braid-plan", "version": 1, …}`. Loading ([`ExecPlan::from_json`]) rejects another
+//! `{"format": "braid-plan", "version": 2, …}`. Loading ([`ExecPlan::from_json`]) rejects another
 //! format or version, unknown fields and unknown enum spellings with the path of the offending
 //! field, then runs [`ExecPlan::verify`]: the task-graph verifier plus the consistency of every
 //! decision with the graph, the models and the cluster. A plan edited into inconsistency is an
@@ -35,7 +35,9 @@ use crate::transfer::TransferPlan;
 pub const PLAN_FORMAT: &str = "braid-plan";
 /// The version of the plan format this build reads and writes. Bump it on any change to the
 /// serialised form; older files are refused with a message saying which version they are.
-pub const PLAN_VERSION: u32 = 1;
+/// Version 2: datasets name their messages field, where prompts come from and the record
+/// fields the kernels read; kernels read record fields and compare texts.
+pub const PLAN_VERSION: u32 = 2;
 
 /// What one iteration processes, beyond what the graph says: how long prompts are and how long
 /// generations turn out (declared, default, or profiled).

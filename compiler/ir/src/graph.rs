@@ -18,9 +18,9 @@ use petgraph::stable_graph::{EdgeIndex, NodeIndex, StableDiGraph};
 use petgraph::visit::EdgeRef;
 use serde::{Deserialize, Serialize};
 
-use crate::kernel::Kernel;
+use crate::kernel::{Kernel, RecordField};
 use crate::loss::{InputKind, Objective};
-pub use crate::settings::{Dtype, Head, LrSchedule, Speculation, Split, SyntheticKind};
+pub use crate::settings::{Dtype, Head, LrSchedule, PromptFrom, Speculation, Split, SyntheticKind};
 
 /// A node of a [`TaskGraph`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -946,11 +946,27 @@ pub struct DatasetSpec {
     pub source: DatasetSource,
     pub prompt_field: String,
     pub answer_field: String,
+    /// The field of a record's chat messages.
+    #[serde(default = "messages_field")]
+    pub messages_field: String,
+    /// Whether prompts come from `prompt_field`, `messages_field`, or whichever a record has.
+    #[serde(default)]
+    pub prompt_from: PromptFrom,
     pub shuffle: bool,
     pub seed: i64,
     pub chat_template: bool,
     /// Passes over the data; `None`: as many as the run needs.
     pub epochs: Option<i64>,
+    /// The record fields the run's kernels read from this dataset's samples (`field_int(s,
+    /// "difficulty")`), with the type each is read as: every record must hold them, which the
+    /// runtime checks when it loads the dataset — before the first step, not when a reward
+    /// first meets a record without one.
+    #[serde(default)]
+    pub fields: Vec<RecordField>,
+}
+
+fn messages_field() -> String {
+    "messages".into()
 }
 
 /// What the runtime executes: one iteration's graph, run `steps` times.
@@ -989,6 +1005,86 @@ impl Plan {
 
     pub fn dataset_names(&self) -> Vec<String> {
         self.datasets.iter().map(|d| d.name.clone()).collect()
+    }
+
+    /// The rollout the (first) trained model learns from: the first `train`'s rollout, in
+    /// topological order.
+    pub fn main_rollout(&self) -> Option<NodeId> {
+        let order = self.graph.topo_order()?;
+        order.iter().find_map(|id| match self.graph.node(*id) {
+            Some(n) if matches!(n.op, Op::Train { .. }) => self.graph.inputs(*id).first().copied(),
+            _ => None,
+        })
+    }
+
+    /// The run's reward: the first `score`, or per-sample `fn` of a `Sample`, on the main
+    /// rollout (what `reward_mean` reports and what an evaluation scores with).
+    pub fn reward_node(&self) -> Option<NodeId> {
+        let r = self.main_rollout()?;
+        let order = self.graph.topo_order()?;
+        order.into_iter().find(|id| {
+            let Some(n) = self.graph.node(*id) else {
+                return false;
+            };
+            self.graph.inputs(*id).first() == Some(&r)
+                && match &n.op {
+                    Op::Score { .. } => true,
+                    Op::Kernel { kernel, .. } => {
+                        kernel.params.first() == Some(&crate::kernel::ParamKind::Sample)
+                            && n.ty == DataTy::PerSample
+                    }
+                    _ => false,
+                }
+        })
+    }
+
+    /// The dataset whose prompts a rollout was generated from (through its `next`).
+    pub fn dataset_of_rollout(&self, rollout: NodeId) -> Option<u32> {
+        let Some(Op::Generate { .. }) = self.graph.node(rollout).map(|n| &n.op) else {
+            return None;
+        };
+        let prompts = *self.graph.inputs(rollout).first()?;
+        match self.graph.node(prompts).map(|n| &n.op) {
+            Some(Op::Next { dataset, .. }) => Some(*dataset),
+            _ => None,
+        }
+    }
+
+    /// Records in each dataset the fields that the kernels scoring its samples read: every
+    /// kernel on a rollout generated from the dataset's prompts, and the reward of an
+    /// evaluation on it.
+    pub fn collect_record_fields(&mut self) {
+        let mut need: BTreeMap<u32, Vec<RecordField>> = BTreeMap::new();
+        for id in self.graph.node_ids() {
+            let Some(Op::Kernel { kernel, .. }) = self.graph.node(id).map(|n| &n.op) else {
+                continue;
+            };
+            let fields = kernel.record_fields();
+            if let Some(d) = self
+                .graph
+                .inputs(id)
+                .first()
+                .and_then(|r| self.dataset_of_rollout(*r))
+                && !fields.is_empty()
+            {
+                need.entry(d).or_default().extend(fields);
+            }
+        }
+        if let (Some(ev), Some(reward)) = (&self.eval, self.reward_node())
+            && let Some(Op::Kernel { kernel, .. }) = self.graph.node(reward).map(|n| &n.op)
+        {
+            need.entry(ev.dataset)
+                .or_default()
+                .extend(kernel.record_fields());
+        }
+        for (d, mut fields) in need {
+            if let Some(spec) = self.datasets.get_mut(d as usize) {
+                fields.append(&mut spec.fields);
+                fields.sort();
+                fields.dedup();
+                spec.fields = fields;
+            }
+        }
     }
 
     /// The graph's text form with model and dataset names.

@@ -211,6 +211,23 @@ pub enum SyntheticKind {
     WordProblems,
 }
 
+/// Where a dataset's records hold their prompts: `fields: { prompt: … }` names a text field,
+/// `fields: { messages: … }` an array of chat messages (system, user and assistant turns); a
+/// dataset that names neither takes, per record, whichever of `prompt` and `messages` it has.
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum PromptFrom {
+    /// The prompt field or the messages field, whichever the record has (both is an error).
+    #[default]
+    Either,
+    /// The prompt field (mapped explicitly).
+    Text,
+    /// The messages field (mapped explicitly).
+    Messages,
+}
+
 /// Which part of a synthetic dataset's problems a source draws: every generated problem
 /// belongs to one part by a hash of its text, so the training and held-out parts of one
 /// generator never share a problem, whatever their seeds and counts.

@@ -826,10 +826,11 @@ impl Gen<'_, '_> {
                 let idx = self.b.ins().iconst(I64, i64::from(*n));
                 let f = self.fr.host;
                 let r = self.call1(f, &[env, idx]);
-                if inst.ty == Ty::Bool {
-                    self.b.ins().icmp_imm_s(IntCC::NotEqual, r, 0)
-                } else {
-                    r
+                match inst.ty {
+                    Ty::Bool => self.b.ins().icmp_imm_s(IntCC::NotEqual, r, 0),
+                    // A record field's float crosses the host ABI as its bits.
+                    Ty::Float => self.b.ins().bitcast(F64, MemFlagsData::new(), r),
+                    _ => r,
                 }
             }
         })

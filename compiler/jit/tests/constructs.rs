@@ -5,8 +5,8 @@
 mod common;
 
 use braid_ir::kernel::{
-    Arg, Batch, BinOp, IntField, Kernel, KernelBuilder, Output, ParamKind, Ragged, ReduceOp,
-    RunError, SampleText, ScalarTy, Scope, StrField, Value,
+    Arg, Batch, BinOp, FieldTy, FieldValue, Fields, IntField, Kernel, KernelBuilder, Output,
+    ParamKind, Ragged, ReduceOp, RunError, SampleText, ScalarTy, Scope, StrField, Value,
 };
 use common::*;
 use std::sync::Arc;
@@ -365,11 +365,13 @@ fn host_builtins() {
             prompt: "Q: sum?".into(),
             completion: "The answer is \\boxed{1,000}.".into(),
             answer: "1000".into(),
+            ..Default::default()
         },
         SampleText {
             prompt: "sum?".into(),
             completion: "no idea".into(),
             answer: "3".into(),
+            ..Default::default()
         },
     ];
     let out = per_sample(run_both(
@@ -382,6 +384,90 @@ fn host_builtins() {
         &[Arg::Sample],
     ));
     assert_eq!(out, vec![31.0, 0.0]);
+}
+
+#[test]
+fn record_fields_and_string_equality() {
+    // field_float(s, "weight") * field_int(s, "difficulty")
+    //   + (if field_bool(s, "hard") { 100 } else { 0 })
+    //   + (if field(s, "topic") == "math" { 10 } else { 0 })
+    //   + (if s.completion == field(s, "topic") { 1000 } else { 0 })
+    let mut b = KernelBuilder::new("fields", Scope::Sample);
+    let s = b.sample_param();
+    let topic = StrField::Record("topic".into());
+    let w = b.record_field(s, "weight", ScalarTy::Float);
+    let d = b.record_field(s, "difficulty", ScalarTy::Int);
+    let h = b.record_field(s, "hard", ScalarTy::Bool);
+    let m = b.str_equals(s, topic.clone(), "math");
+    let same_text = b.texts_equal(s, StrField::Completion, topic);
+    let x = b.mul(w, d);
+    let h = b.if_else(h, |b| b.float(100.0), |b| b.float(0.0));
+    let m = b.if_else(m, |b| b.float(10.0), |b| b.float(0.0));
+    let e = b.if_else(same_text, |b| b.float(1000.0), |b| b.float(0.0));
+    let x = b.add(x, h);
+    let x = b.add(x, m);
+    let r = b.add(x, e);
+    let k = b.finish(r).expect("builds");
+    let sample = |w: FieldValue, d: i64, hard: bool, topic: &str, completion: &str| {
+        let mut fields = Fields::new();
+        fields.insert("weight".into(), w);
+        fields.insert("difficulty".into(), FieldValue::Int(d));
+        fields.insert("hard".into(), FieldValue::Bool(hard));
+        fields.insert("topic".into(), FieldValue::Str(topic.into()));
+        SampleText {
+            completion: completion.into(),
+            fields,
+            ..Default::default()
+        }
+    };
+    let mut texts = vec![
+        sample(FieldValue::Float(0.5), 3, true, "math", "math"),
+        // An int field read as a float widens.
+        sample(FieldValue::Int(2), 2, false, "art", "x"),
+    ];
+    let batch = |texts: &[SampleText]| -> Result<Output, RunError> {
+        run_both(
+            &k,
+            &Batch {
+                n_samples: texts.len(),
+                texts: Some(texts),
+                ..Default::default()
+            },
+            &[Arg::Sample],
+        )
+    };
+    assert_eq!(per_sample(batch(&texts)), vec![1111.5, 4.0]);
+    // A sample without a field the kernel reads, or with the wrong type, is an error on both
+    // backends before any sample runs.
+    texts[1].fields.remove("hard");
+    let e = batch(&texts).unwrap_err();
+    assert!(
+        matches!(&e, RunError::Field { sample: 1, name, .. } if name == "hard"),
+        "{e}"
+    );
+    texts[1]
+        .fields
+        .insert("hard".into(), FieldValue::Str("yes".into()));
+    let e = batch(&texts).unwrap_err().to_string();
+    assert!(
+        e.contains("sample 1")
+            && e.contains("`hard`")
+            && e.contains("field_bool")
+            && e.contains("has a string"),
+        "{e}"
+    );
+    assert_eq!(
+        k.record_fields()
+            .iter()
+            .map(|f| (f.name.as_str(), f.ty))
+            .collect::<Vec<_>>(),
+        vec![
+            ("difficulty", FieldTy::Int),
+            ("hard", FieldTy::Bool),
+            ("topic", FieldTy::Str),
+            ("weight", FieldTy::Float)
+        ]
+    );
 }
 
 #[test]

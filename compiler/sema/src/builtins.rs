@@ -388,6 +388,21 @@ pub(crate) fn fn_builtin(
                 Ty::Error
             }
         }
+        "field" | "field_int" | "field_float" | "field_bool" => {
+            if arg(0).map(|a| &a.ty) != Some(&Ty::Sample) {
+                bad = Some((0, "a Sample"));
+                Ty::Error
+            } else if field_name_literal(ch, b.name, bound.get(1).copied().flatten()) {
+                match b.name {
+                    "field" => Ty::Str,
+                    "field_int" => Ty::Int,
+                    "field_float" => Ty::Float,
+                    _ => Ty::Bool,
+                }
+            } else {
+                Ty::Error
+            }
+        }
         _ => {
             // contains, starts_with, ends_with, answer_matches: two strings.
             if arg(0).map(|a| &a.ty) != Some(&Ty::Str) {
@@ -410,6 +425,36 @@ pub(crate) fn fn_builtin(
         gran
     };
     finish(b, out, Callee::Builtin(b.name), ty, gran, span)
+}
+
+/// Checks that the name argument of a record-field reader is a non-empty string literal: the
+/// plan lists the fields each dataset must hold, so the name has to be known before the run.
+fn field_name_literal(ch: &mut Checker<'_>, name: &str, e: Option<&ast::Expr>) -> bool {
+    let Some(e) = e else { return false };
+    match &e.kind {
+        ast::ExprKind::Str(s) if !s.value.is_empty() => true,
+        ast::ExprKind::Str(_) => {
+            ch.report(
+                Diagnostic::new(
+                    Code::E0316,
+                    format!("the field name of `{name}` is empty"),
+                    e.span,
+                    "no field has an empty name",
+                )
+                .with_help(format!(
+                    "name the record's field: `{name}(s, \"difficulty\")`"
+                )),
+            );
+            false
+        }
+        _ => {
+            ch.report(
+                Diagnostic::new(Code::E0316, format!("the field name of `{name}` must be a string literal"), e.span, "not a literal")
+                    .with_help(format!("write the name in place, `{name}(s, \"difficulty\")`: the run checks every record for the fields its rewards read when the data is loaded, so the names are needed before it starts")),
+            );
+            false
+        }
+    }
 }
 
 /// Checks that a pattern argument is a string literal holding a valid regex.

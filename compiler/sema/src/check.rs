@@ -431,7 +431,9 @@ impl<'a> Checker<'a> {
                 let suggestion = suggest(other, names);
                 let help = match &suggestion {
                     Some(s) => format!("did you mean `.{s}`?"),
-                    None => "a `Sample` has `.prompt`, `.completion`, `.answer`, `.length`, `.group` and `.tokens`".into(),
+                    None => format!(
+                        "a `Sample` has `.prompt`, `.completion`, `.answer`, `.length`, `.group` and `.tokens`; read another field of its dataset record with `field(s, \"{other}\")` (a string), `field_int`, `field_float` or `field_bool`"
+                    ),
                 };
                 self.report(
                     err(
@@ -993,6 +995,19 @@ impl<'a> Checker<'a> {
 
     fn call(&mut self, cx: &mut BodyCx, callee: &ast::Expr, args: &ast::Args, span: Span) -> Expr {
         let ast::ExprKind::Path(path) = &callee.kind else {
+            // `s.field("x")`: the record-field readers are functions, like every built-in.
+            let help = match &callee.kind {
+                ast::ExprKind::Field { name, .. }
+                    if braid_stdlib::builtin(&name.name)
+                        .is_some_and(|b| b.params.first().is_some_and(|p| p.ty == "Sample")) =>
+                {
+                    format!(
+                        "`{0}` is a built-in function, not a method: write `{0}(s, \"name\")`",
+                        name.name
+                    )
+                }
+                _ => "call a `fn`, a built-in, or a function parameter by name".into(),
+            };
             self.report(
                 err(
                     Code::E0305,
@@ -1000,7 +1015,7 @@ impl<'a> Checker<'a> {
                     callee.span,
                     "not a function name",
                 )
-                .with_help("call a `fn`, a built-in, or a function parameter by name"),
+                .with_help(help),
             );
             return error_expr(span);
         };

@@ -385,7 +385,7 @@ pub struct TinyConfig {
 
 // A model's head and dtype and an optimizer's schedule are the plan's own enums: the checker
 // produces them, lowering copies them, and no string stands for them anywhere after parsing.
-pub use braid_ir::settings::{Dtype, Head, LrSchedule, Split, SyntheticKind};
+pub use braid_ir::settings::{Dtype, Head, LrSchedule, PromptFrom, Split, SyntheticKind};
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct AdamW {
@@ -437,6 +437,10 @@ pub struct Dataset {
     pub source: DatasetSource,
     pub prompt_field: String,
     pub answer_field: String,
+    /// The field of a record's chat messages.
+    pub messages_field: String,
+    /// Which of the two the `fields` option named (neither: whichever a record has).
+    pub prompt_from: PromptFrom,
     pub shuffle: bool,
     pub seed: i64,
     pub chat_template: bool,

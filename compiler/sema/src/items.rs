@@ -956,6 +956,8 @@ impl<'a> Checker<'a> {
                     },
                     prompt_field: "prompt".into(),
                     answer_field: "answer".into(),
+                    messages_field: "messages".into(),
+                    prompt_from: PromptFrom::Either,
                     shuffle: false,
                     seed: 0,
                     chat_template: false,

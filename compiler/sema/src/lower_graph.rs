@@ -164,7 +164,7 @@ pub fn lower_run(program: &Program) -> Result<g::Plan, LowerError> {
             })
         }
     };
-    Ok(g::Plan {
+    let mut plan = g::Plan {
         pipeline: pipeline.name.clone(),
         graph: cx.graph,
         models: cx.models,
@@ -178,7 +178,9 @@ pub fn lower_run(program: &Program) -> Result<g::Plan, LowerError> {
             .map(|(k, v)| (k.clone(), to_const(v)))
             .collect(),
         eval,
-    })
+    };
+    plan.collect_record_fields();
+    Ok(plan)
 }
 
 fn to_const(v: &Value) -> Const {
@@ -296,10 +298,14 @@ impl Cx<'_> {
             },
             prompt_field: d.prompt_field.clone(),
             answer_field: d.answer_field.clone(),
+            messages_field: d.messages_field.clone(),
+            prompt_from: d.prompt_from,
             shuffle: d.shuffle,
             seed: d.seed,
             chat_template: d.chat_template,
             epochs: d.epochs,
+            // Filled in once the graph is complete (`record_fields`).
+            fields: Vec::new(),
         });
         Ok(self.datasets.len() as u32 - 1)
     }

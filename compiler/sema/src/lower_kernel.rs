@@ -5,7 +5,8 @@
 //! checker rejects recursion). String parameters are not kernel values: they are specialised —
 //! the caller gives each a constant (a run setting such as `kl_estimator: "k3"`, or the
 //! parameter's default), and string comparisons fold to constants. Strings of the sample
-//! (`s.completion`, …) are operands of host calls only. This module must not decide anything
+//! (`s.completion`, …, and the record's string fields, `field(s, "topic")`) are operands of
+//! host calls only, comparisons with `==` included. This module must not decide anything
 //! the checker has not checked: an input it cannot lower is a `LowerError`, never a panic.
 
 use std::collections::BTreeMap;
@@ -304,9 +305,26 @@ impl Lower<'_> {
                 _ => err("strings are only compared with `==` and `!=`"),
             };
         }
+        // A sample's text compared with a constant or with another of its texts: a host call.
+        let text_eq = match (&l, &r) {
+            (LVal::SampleStr(sp, f), LVal::Const(c)) | (LVal::Const(c), LVal::SampleStr(sp, f)) => {
+                Some(self.b.str_equals(*sp, f.clone(), c))
+            }
+            (LVal::SampleStr(sa, fa), LVal::SampleStr(sb, fb)) if sa == sb => {
+                Some(self.b.texts_equal(*sa, fa.clone(), fb.clone()))
+            }
+            _ => None,
+        };
+        if let Some(eq) = text_eq {
+            return match op {
+                B::Eq => Ok(LVal::V(eq)),
+                B::Ne => Ok(LVal::V(self.b.not(eq))),
+                _ => err("strings are only compared with `==` and `!=`"),
+            };
+        }
         let (LVal::V(a), LVal::V(c)) = (l, r) else {
             return err(
-                "a sample's text can only be tested with built-ins such as `contains` or `matches`",
+                "a sample's text can only be tested with built-ins such as `contains` or `matches`, or compared with `==`",
             );
         };
         let bop = match op {
@@ -425,9 +443,9 @@ impl Lower<'_> {
         };
         let text = |i: usize| -> Result<(SampleParam, StrField), LowerError> {
             match vals.get(i) {
-                Some(LVal::SampleStr(s, f)) => Ok((*s, *f)),
+                Some(LVal::SampleStr(s, f)) => Ok((*s, f.clone())),
                 _ => err(format!(
-                    "argument {} of `{name}` must be a sample's text (`s.completion`, `s.prompt` or `s.answer`)",
+                    "argument {} of `{name}` must be a sample's text (`s.completion`, `s.prompt`, `s.answer` or `field(s, \"…\")`)",
                     i + 1
                 )),
             }
@@ -441,7 +459,19 @@ impl Lower<'_> {
                 )),
             }
         };
+        let sample = |i: usize| -> Result<SampleParam, LowerError> {
+            match vals.get(i) {
+                Some(LVal::Sample(s)) => Ok(*s),
+                _ => err(format!("argument {} of `{name}` must be a sample", i + 1)),
+            }
+        };
         let v = match name {
+            // A string field is not a kernel value: like `s.completion`, it is an operand of
+            // the host calls that test it.
+            "field" => return Ok(LVal::SampleStr(sample(0)?, StrField::Record(lit(1)?))),
+            "field_int" => self.b.record_field(sample(0)?, &lit(1)?, ScalarTy::Int),
+            "field_float" => self.b.record_field(sample(0)?, &lit(1)?, ScalarTy::Float),
+            "field_bool" => self.b.record_field(sample(0)?, &lit(1)?, ScalarTy::Bool),
             "exp" => self.b.exp(num(0)?),
             "log" => self.b.log(num(0)?),
             "sqrt" => self.b.sqrt(num(0)?),
@@ -476,7 +506,7 @@ impl Lower<'_> {
                 self.b.count_regex(s, f, &pattern)
             }
             "len" => match vals.first() {
-                Some(LVal::SampleStr(s, f)) => self.b.str_len(*s, *f),
+                Some(LVal::SampleStr(s, f)) => self.b.str_len(*s, f.clone()),
                 Some(LVal::Const(c)) => self.b.int(c.chars().count() as i64),
                 Some(LVal::V(x)) => {
                     let tokens = self.b.ty(*x) == Some(k::Ty::Tokens);

@@ -41,6 +41,15 @@ pub fn program(p: &Program) -> String {
             d.chat_template,
             d.epochs
         );
+        // Only when the program says something about chat messages, so that the typed form
+        // of a dataset of plain prompts reads as it always did.
+        if d.prompt_from != PromptFrom::Either || d.messages_field != "messages" {
+            let _ = writeln!(
+                out,
+                "  messages={:?} prompt_from={:?}",
+                d.messages_field, d.prompt_from
+            );
+        }
     }
     if let Some(r) = &p.run {
         let pl = &p.pipelines[r.pipeline.0 as usize];

@@ -780,6 +780,32 @@ impl Checker<'_> {
                     {
                         ds.answer_field = s;
                     }
+                    if let Some(f) = fields.entries.get("messages")
+                        && let Some(Value::Str(s)) = self.option_value(f, &SigTy::Str)
+                    {
+                        ds.messages_field = s;
+                    }
+                    ds.prompt_from = match (
+                        fields.entries.get("prompt"),
+                        fields.entries.get("messages"),
+                    ) {
+                        (Some(p), Some(m)) => {
+                            self.report(
+                                err(
+                                    Code::E0308,
+                                    "`fields` names both a prompt field and a messages field",
+                                    m.span,
+                                    "a second source of prompts",
+                                )
+                                .with_label(p.span, "the prompt field")
+                                .with_help("a record's prompt is either a text (`prompt: \"…\"`) or a conversation (`messages: \"…\"`); keep the one the data holds"),
+                            );
+                            PromptFrom::Either
+                        }
+                        (Some(_), None) => PromptFrom::Text,
+                        (None, Some(_)) => PromptFrom::Messages,
+                        (None, None) => PromptFrom::Either,
+                    };
                 }
                 _ => self.report(
                     err(

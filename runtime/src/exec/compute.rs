@@ -57,6 +57,25 @@ impl<'p> Executor<'p> {
         Ok(collect_rows(op, rows))
     }
 
+    /// The sequences inference call `id` on `model` reads from a whole rollout (see
+    /// `tokens::sequences`).
+    pub(super) fn sequences_of(
+        &self,
+        id: NodeId,
+        model: u32,
+        r: &RolloutData,
+    ) -> Result<Vec<Rollout>> {
+        let tok = &self.slots[model as usize].tokenizer;
+        sequences(
+            self.retokenize.contains(&id),
+            tok,
+            &r.records,
+            r.samples
+                .iter()
+                .map(|s| (s.prompt_index, s.text.as_str(), &s.rollout)),
+        )
+    }
+
     /// Runs a `logprobs`, `values` or `score` node on sequences, `micro` per forward pass.
     pub(super) fn infer(
         &self,
@@ -124,6 +143,8 @@ pub(super) fn run_kernel(
                 prompt: rec.map(|x| x.prompt.clone()).unwrap_or_default(),
                 completion: s.text.clone(),
                 answer: rec.map(|x| x.answer.clone()).unwrap_or_default(),
+                // Only the fields the plan's kernels read were kept when the data was loaded.
+                fields: rec.map(|x| x.fields.clone()).unwrap_or_default(),
             }
         })
         .collect();

@@ -68,8 +68,7 @@ impl<'p> Executor<'p> {
                 run_kernel(&k, &args, &inputs, &vals)?
             }
             Some(op @ Op::Score { model }) => {
-                let seqs: Vec<Rollout> =
-                    rollout.samples.iter().map(|s| s.rollout.clone()).collect();
+                let seqs = self.sequences_of(reward_id, model, &rollout)?;
                 // The reward model's micro-batches, as the plan sizes them for the run's own
                 // rollout, applied to the held-out set.
                 let micro = self.micro_size(reward_id, seqs.len());
@@ -120,19 +119,7 @@ impl<'p> Executor<'p> {
         let tok = &slot.tokenizer;
         let mut prompts = Vec::with_capacity(d.records.len());
         for r in &d.records {
-            let ids = if d.chat_template {
-                let text = tok.apply_chat_template(
-                    &[ChatMessage {
-                        role: "user".into(),
-                        content: r.prompt.clone(),
-                    }],
-                    true,
-                )?;
-                tok.encode(&text, false)?
-            } else {
-                tok.encode(&r.prompt, true)?
-            };
-            prompts.push(ids);
+            prompts.push(prompt_ids(tok, r, d.chat_template)?);
         }
         let p = &spec.params;
         let sampling = SamplingParams {

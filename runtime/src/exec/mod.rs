@@ -56,6 +56,7 @@ mod reshard;
 mod setup;
 pub(super) mod stream;
 pub mod tensorboard;
+mod tokens;
 mod train;
 mod values;
 
@@ -65,6 +66,7 @@ use compute::*;
 pub use record::fingerprint;
 use record::*;
 use setup::*;
+use tokens::*;
 use values::*;
 pub use values::{decode_samples, encode_samples};
 
@@ -167,6 +169,9 @@ pub struct Executor<'p> {
     /// `logprobs` nodes of a trained model whose values are taken from that model's training
     /// forward pass instead of a separate inference pass.
     reused: BTreeSet<NodeId>,
+    /// `score` calls of a reward model whose tokenizer differs from the generating model's:
+    /// they score the rollout's text re-tokenised (`tokens.rs`).
+    retokenize: BTreeSet<NodeId>,
     total_steps: i64,
     first_step: i64,
     /// The generations of the last step to record in `samples.jsonl`.
@@ -298,7 +303,7 @@ impl<'p> Executor<'p> {
                 }
                 Op::Logprobs { model } | Op::Values { model } | Op::Score { model } => {
                     let r = rollout_of(&vals, inputs.first())?;
-                    let seqs: Vec<Rollout> = r.samples.iter().map(|s| s.rollout.clone()).collect();
+                    let seqs = self.sequences_of(id, *model, &r)?;
                     let v = self.infer_call(id, &node.op, *model, &seqs, r.temperature)?;
                     *time.entry("infer").or_default() += t0.elapsed().as_secs_f64();
                     v

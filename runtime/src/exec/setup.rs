@@ -90,22 +90,7 @@ impl<'p> Executor<'p> {
                 replica: None,
             });
         }
-        // Every model must understand the policy's tokens: same vocabulary size.
-        if let Some(first) = slots.first() {
-            let v = first.tokenizer.vocab_size();
-            for s in &slots[1..] {
-                if s.tokenizer.vocab_size() != v {
-                    return Err(Error::invalid(
-                        format!("model `{}`", s.spec.name),
-                        format!(
-                            "has a vocabulary of {} tokens but `{}` has {v}; the models of a pipeline must share a tokenizer",
-                            s.tokenizer.vocab_size(),
-                            first.spec.name
-                        ),
-                    ));
-                }
-            }
-        }
+        let retokenize = token_readers(plan, &order, &slots)?;
         if world > 1 && plan.eval.is_some() {
             return Err(Error::invalid(
                 "eval",
@@ -147,27 +132,8 @@ impl<'p> Executor<'p> {
                 kernels.insert(*id, k);
             }
         }
-        let main_rollout = order.iter().find_map(|id| match plan.graph.node(*id) {
-            Some(n) if matches!(n.op, Op::Train { .. }) => plan.graph.inputs(*id).first().copied(),
-            _ => None,
-        });
-        let reward_node = main_rollout.and_then(|r| {
-            order.iter().copied().find(|id| {
-                let Some(n) = plan.graph.node(*id) else {
-                    return false;
-                };
-                let inputs = plan.graph.inputs(*id);
-                inputs.first() == Some(&r)
-                    && match &n.op {
-                        Op::Score { .. } => true,
-                        Op::Kernel { kernel, .. } => {
-                            kernel.params.first() == Some(&ParamKind::Sample)
-                                && n.ty == braid_ir::graph::DataTy::PerSample
-                        }
-                        _ => false,
-                    }
-            })
-        });
+        let main_rollout = plan.main_rollout();
+        let reward_node = plan.reward_node();
         let mut ex = Executor {
             exec,
             plan,
@@ -181,6 +147,7 @@ impl<'p> Executor<'p> {
             main_rollout,
             reward_node,
             reused,
+            retokenize,
             total_steps,
             first_step: 0,
             last_samples: Vec::new(),
@@ -210,6 +177,19 @@ impl<'p> Executor<'p> {
         self.total_steps
     }
 
+    /// The reward models that score re-tokenised text because their tokenizer differs from the
+    /// generating model's, by name (what `braid run` reports at start).
+    pub fn retokenizing_models(&self) -> Vec<String> {
+        let mut names: Vec<String> = self
+            .retokenize
+            .iter()
+            .filter_map(|id| self.plan.graph.node(*id).and_then(|n| n.op.model()))
+            .filter_map(|m| self.slots.get(m as usize).map(|s| s.spec.name.clone()))
+            .collect();
+        names.dedup();
+        names
+    }
+
     /// Per `generate`, the inference calls that stream under it, with the finished samples
     /// each takes per forward pass (as the plan says).
     pub fn streaming(&self) -> Vec<(NodeId, Vec<(NodeId, u64)>)> {
@@ -226,6 +206,54 @@ impl<'p> Executor<'p> {
             .map(|g| (g, self.exec.streamed(g)))
             .collect()
     }
+}
+
+/// Checks that every model reading a rollout's token ids can: a `logprobs` or `values` call
+/// must share the vocabulary of the model that generated the rollout (its numbers are per
+/// token), while a reward model with another vocabulary scores the decoded text re-tokenised
+/// (`tokens.rs`). Returns those `score` calls.
+fn token_readers(plan: &Plan, order: &[NodeId], slots: &[Slot]) -> Result<BTreeSet<NodeId>> {
+    let mut retokenize = BTreeSet::new();
+    for id in order {
+        let Some(node) = plan.graph.node(*id) else {
+            continue;
+        };
+        let (Op::Logprobs { model } | Op::Values { model } | Op::Score { model }) = &node.op else {
+            continue;
+        };
+        let generator =
+            plan.graph
+                .inputs(*id)
+                .first()
+                .and_then(|r| match plan.graph.node(*r).map(|n| &n.op) {
+                    Some(Op::Generate { model, .. }) => Some(*model),
+                    _ => None,
+                });
+        let (Some(reader), Some(writer)) = (
+            slots.get(*model as usize),
+            generator.and_then(|g| slots.get(g as usize)),
+        ) else {
+            continue;
+        };
+        if reader.tokenizer.same_vocabulary(&writer.tokenizer) {
+            continue;
+        }
+        if let Op::Score { .. } = node.op {
+            retokenize.insert(*id);
+            continue;
+        }
+        return Err(Error::invalid(
+            format!("model `{}`", reader.spec.name),
+            format!(
+                "reads the tokens of `{w}`'s rollouts (`{op}`), but its tokenizer ({rt}) has another vocabulary than `{w}`'s ({wt}); per-token log-probabilities and values must line up with the generated tokens, so a reference model or a critic must share the policy's tokenizer (only a reward model, read through `score`, may have its own: it scores the decoded text, re-tokenised)",
+                w = writer.spec.name,
+                op = node.op.name(),
+                rt = reader.tokenizer.source().display(),
+                wt = writer.tokenizer.source().display(),
+            ),
+        ));
+    }
+    Ok(retokenize)
 }
 
 /// Refuses a plan made for another world: one process per device, so the plan's cluster must

@@ -37,18 +37,7 @@ impl<'p> Executor<'p> {
         let tokenizer = &self.slots[model].tokenizer;
         let mut prompt_ids = Vec::with_capacity(records.len());
         for (i, r) in records.iter().enumerate() {
-            let ids = if *chat_template {
-                let text = tokenizer.apply_chat_template(
-                    &[ChatMessage {
-                        role: "user".into(),
-                        content: r.prompt.clone(),
-                    }],
-                    true,
-                )?;
-                tokenizer.encode(&text, false)?
-            } else {
-                tokenizer.encode(&r.prompt, true)?
-            };
+            let ids = tokens::prompt_ids(tokenizer, r, *chat_template)?;
             if ids.is_empty() {
                 return Err(Error::invalid(
                     format!("prompt {i}"),
@@ -143,7 +132,8 @@ impl<'p> Executor<'p> {
         // it here).
         let mut gen_model: Option<&mut Model> = None;
         let mut tok: Option<&Tokenizer> = None;
-        let mut others: Vec<(usize, &Model)> = Vec::new();
+        let mut others: Vec<(usize, &Model, &Tokenizer)> = Vec::new();
+        let retokenize = &self.retokenize;
         for (i, s) in self.slots.iter_mut().enumerate() {
             let Slot {
                 model: m,
@@ -160,12 +150,12 @@ impl<'p> Executor<'p> {
                 match (replica, streams_here) {
                     (Some(r), true) => {
                         gen_model = Some(r);
-                        others.push((i, m));
+                        others.push((i, m, tokenizer));
                     }
                     _ => gen_model = Some(m),
                 }
             } else {
-                others.push((i, m));
+                others.push((i, m, tokenizer));
             }
         }
         let Some(tok) = tok else {
@@ -250,19 +240,25 @@ impl<'p> Executor<'p> {
                 }
                 let (c, chunk, _) = consumers[k].clone();
                 let t0 = Instant::now();
-                let seqs: Vec<Rollout> = range
-                    .clone()
-                    .filter_map(|i| samples[i].as_ref().map(|(_, r)| r.clone()))
-                    .collect();
                 let Some(node) = plan.graph.node(c) else {
                     return Err(Error::invalid("plan", format!("{c} is not a node")));
                 };
                 let Some(m) = node.op.model() else {
                     return Err(Error::invalid("plan", format!("{c} runs no model")));
                 };
-                let Some((_, mm)) = others.iter().find(|(i, _)| *i == m as usize) else {
+                let Some((_, mm, mtok)) = others.iter().find(|(i, _, _)| *i == m as usize) else {
                     return Err(Error::invalid("plan", format!("{c}: model busy")));
                 };
+                let seqs = sequences(
+                    retokenize.contains(&c),
+                    mtok,
+                    records,
+                    range.clone().filter_map(|i| {
+                        samples[i]
+                            .as_ref()
+                            .map(|(s, r)| (s.prompt_index, s.text.as_str(), r))
+                    }),
+                )?;
                 let opts = InferOptions {
                     micro_batch: chunk,
                     temperature: temperature as f32,

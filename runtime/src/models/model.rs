@@ -358,6 +358,26 @@ impl Model {
         )
     }
 
+    /// A model of any supported configuration, in f32, with weights from Braid's seeded
+    /// generator (as `tiny` models have): for tests and tools that need a model of a given
+    /// shape or vocabulary without a checkpoint. `source` names it in messages.
+    pub fn random(
+        config: ModelConfig,
+        head: Head,
+        seed: u64,
+        device: Device,
+        source: PathBuf,
+    ) -> Result<Model> {
+        Model::build(
+            config,
+            head,
+            Kind::Float,
+            device,
+            Weights::Random(seed),
+            source,
+        )
+    }
+
     /// Builds a model from a configuration with parameters filled from `weights`.
     pub(crate) fn build(
         config: ModelConfig,

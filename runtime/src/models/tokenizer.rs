@@ -39,7 +39,7 @@ pub struct SpecialTokens {
 }
 
 /// One message of a chat.
-#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct ChatMessage {
     pub role: String,
     pub content: String,
@@ -338,6 +338,46 @@ impl Tokenizer {
     /// The chat template, if any.
     pub fn chat_template(&self) -> Option<&str> {
         self.chat_template.as_deref()
+    }
+
+    /// Every id with its token's text (byte-level tokens as the vocabulary file writes them),
+    /// ordered by id.
+    pub fn vocabulary(&self) -> Vec<(u32, String)> {
+        match &self.inner {
+            Inner::Hf(t) => {
+                let mut v: Vec<(u32, String)> =
+                    t.get_vocab(true).into_iter().map(|(s, i)| (i, s)).collect();
+                v.sort();
+                v
+            }
+            // The same entries as `byte_level_tokenizer_json`, so that a saved tiny model's
+            // tokenizer has the vocabulary of the built-in one.
+            Inner::Bytes => byte_to_char()
+                .into_iter()
+                .enumerate()
+                .map(|(i, c)| (i as u32, c.to_string()))
+                .chain([
+                    (BYTE_BOS as u32, "<|bos|>".to_string()),
+                    (BYTE_EOS as u32, "<|eos|>".to_string()),
+                    (BYTE_PAD as u32, "<|pad|>".to_string()),
+                ])
+                .collect(),
+        }
+    }
+
+    /// Whether every id means the same token in both tokenizers: then one model's token ids
+    /// can be read by the other as they are. (How each splits a text may still differ — merges
+    /// are not compared — but ids never mean different tokens.)
+    pub fn same_vocabulary(&self, other: &Tokenizer) -> bool {
+        match (&self.inner, &other.inner) {
+            (Inner::Bytes, Inner::Bytes) => true,
+            _ => self.vocab_size() == other.vocab_size() && self.vocabulary() == other.vocabulary(),
+        }
+    }
+
+    /// Where it came from (`tiny` for the byte tokenizer), for messages.
+    pub fn source(&self) -> &Path {
+        &self.source
     }
 }
 

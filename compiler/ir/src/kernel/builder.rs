@@ -37,8 +37,8 @@
 //! ```
 
 use super::{
-    BinOp, Block, BlockId, HostCall, Inst, IntField, Kernel, Op, ParamKind, ReduceOp, Scope,
-    StrField, Ty, UnOp, Value, verify,
+    BinOp, Block, BlockId, HostCall, Inst, IntField, Kernel, Op, ParamKind, ReduceOp, ScalarTy,
+    Scope, StrField, Ty, UnOp, Value, verify,
 };
 
 /// Why a kernel could not be built.
@@ -364,11 +364,7 @@ impl KernelBuilder {
     }
 
     fn host(&mut self, call: HostCall) -> Value {
-        let ty = if call.returns_bool() {
-            Ty::Bool
-        } else {
-            Ty::Int
-        };
+        let ty = call.result_ty();
         let n = self.kernel.host_calls.len() as u32;
         self.kernel.host_calls.push(call);
         self.emit_inst(Op::Host(n), ty)
@@ -429,6 +425,27 @@ impl KernelBuilder {
             param: s.0,
             completion,
             answer,
+        })
+    }
+
+    /// `text == "lit"`, a `Bool`.
+    pub fn str_equals(&mut self, s: SampleParam, field: StrField, lit: &str) -> Value {
+        self.host(HostCall::Equals {
+            param: s.0,
+            field,
+            lit: lit.into(),
+        })
+    }
+    /// `a == b` on two texts of one sample, a `Bool`.
+    pub fn texts_equal(&mut self, s: SampleParam, a: StrField, b: StrField) -> Value {
+        self.host(HostCall::TextsEqual { param: s.0, a, b })
+    }
+    /// `field_int(s, "name")` / `field_float` / `field_bool`: a record field of type `ty`.
+    pub fn record_field(&mut self, s: SampleParam, name: &str, ty: ScalarTy) -> Value {
+        self.host(HostCall::Field {
+            param: s.0,
+            name: name.into(),
+            ty,
         })
     }
 

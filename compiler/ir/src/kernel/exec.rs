@@ -7,6 +7,7 @@
 //! backends get the very same statistics), and lays out the outputs. This module must not know
 //! how a sample is evaluated.
 
+use super::host::{Fields, RecordField};
 use super::{Kernel, Op, ParamKind, ReduceOp, ResultKind, ScalarTy, Scope, Ty, fsem};
 use std::collections::BTreeMap;
 
@@ -36,12 +37,14 @@ pub enum Arg<'a> {
     Sample,
 }
 
-/// The strings of one sample, read by host built-ins.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+/// The strings of one sample, and the fields of its dataset record, read by host built-ins.
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct SampleText {
     pub prompt: String,
     pub completion: String,
     pub answer: String,
+    /// The record's other fields; a kernel that reads one needs it in every sample.
+    pub fields: Fields,
 }
 
 /// What a batch provides besides the arguments.
@@ -113,6 +116,17 @@ pub enum RunError {
     },
     #[error("the kernel needs batch.{0}, which was not given")]
     Missing(&'static str),
+    #[error(
+        "sample {sample}: the kernel reads record field `{name}` as {want} ({reader}), and the sample {found}"
+    )]
+    Field {
+        sample: usize,
+        name: String,
+        want: &'static str,
+        reader: &'static str,
+        /// `has none`, `has a string`, …
+        found: String,
+    },
     #[error("the kernel is invalid: {0}")]
     Invalid(String),
     #[error("sample {sample}: a backend refused its buffers: {message}")]
@@ -235,6 +249,7 @@ struct Needs {
     lengths: bool,
     groups: bool,
     texts: bool,
+    fields: Vec<RecordField>,
 }
 
 fn needs(kernel: &Kernel) -> Needs {
@@ -243,6 +258,7 @@ fn needs(kernel: &Kernel) -> Needs {
         lengths: kernel.result_kind() == Some(ResultKind::PerToken),
         groups: kernel.scope == Scope::Group,
         texts: !kernel.host_calls.is_empty(),
+        fields: kernel.record_fields(),
     };
     for inst in &kernel.insts {
         match inst.op {
@@ -361,6 +377,24 @@ pub fn run_kernel(
     }
     if need.texts && batch.texts.is_none() {
         return Err(RunError::Missing("texts"));
+    }
+    // Every record field the kernel reads, in every sample, with a type its reader accepts:
+    // checked here, once, so that host calls (which cannot fail) never meet a missing one.
+    if let Some(texts) = batch.texts {
+        for (sample, t) in texts.iter().enumerate() {
+            for f in &need.fields {
+                let v = t.fields.get(&f.name);
+                if !v.is_some_and(|v| f.ty.accepts(v)) {
+                    return Err(RunError::Field {
+                        sample,
+                        name: f.name.clone(),
+                        want: f.ty.describe(),
+                        reader: f.ty.reader(),
+                        found: v.map_or("has none".into(), |v| format!("has {}", v.describe())),
+                    });
+                }
+            }
+        }
     }
     let kind = kernel
         .result_kind()

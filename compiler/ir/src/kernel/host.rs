@@ -1,41 +1,178 @@
-//! Host built-ins: the string functions a kernel calls on a sample's text, and their one
-//! implementation, shared by the interpreter and by the JIT (which calls [`HostFns::call`]
-//! through `extern "C"` callbacks, see `docs/kernels.md`, "Host ABI").
+//! Host built-ins: the string functions a kernel calls on a sample's text, the reads of its
+//! dataset record's other fields, and their one implementation, shared by the interpreter and
+//! by the JIT (which calls [`HostFns::call`] through `extern "C"` callbacks, see
+//! `docs/kernels.md`, "Host ABI").
 //!
-//! Patterns and literals are compile-time constants of the kernel; regexes are compiled once per
-//! kernel by [`HostFns::compile`]. Nothing here may panic: a callback unwinding into JIT code
-//! would abort the process.
+//! Patterns, literals and field names are compile-time constants of the kernel; regexes are
+//! compiled once per kernel by [`HostFns::compile`]. Nothing here may panic: a callback
+//! unwinding into JIT code would abort the process. A record field a call reads is checked to
+//! be present, with a type the call accepts, by the driver before any sample is evaluated
+//! ([`super::exec::run_kernel`]), so a call never has to report a missing field.
+
+use std::collections::BTreeMap;
 
 use super::exec::SampleText;
+use super::{ScalarTy, Ty};
 use regex::Regex;
 use serde::{Deserialize, Serialize};
 
-/// A string field of a `Sample` parameter.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+/// A string of a `Sample` parameter: one of its own texts, or a string field of the dataset
+/// record its prompt came from.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum StrField {
     Prompt,
     Completion,
     Answer,
+    /// `field(s, "name")`: the record's string field `name`.
+    Record(String),
 }
 
 impl StrField {
-    /// The name used in the text form and the language (`.prompt`, …).
-    pub fn name(self) -> &'static str {
+    /// How the text form and messages write it: `prompt`, `field("topic")`.
+    pub fn name(&self) -> String {
         match self {
-            StrField::Prompt => "prompt",
-            StrField::Completion => "completion",
-            StrField::Answer => "answer",
+            StrField::Prompt => "prompt".into(),
+            StrField::Completion => "completion".into(),
+            StrField::Answer => "answer".into(),
+            StrField::Record(n) => format!("field({n:?})"),
         }
     }
 
-    fn of(self, t: &SampleText) -> &str {
+    fn of<'t>(&self, t: &'t SampleText) -> &'t str {
         match self {
             StrField::Prompt => &t.prompt,
             StrField::Completion => &t.completion,
             StrField::Answer => &t.answer,
+            // Checked by the driver before evaluation (see the module doc).
+            StrField::Record(n) => match t.fields.get(n) {
+                Some(FieldValue::Str(s)) => s,
+                _ => "",
+            },
         }
     }
 }
+
+/// The type a kernel reads a record field as: `field` (a string), `field_int`, `field_float`,
+/// `field_bool`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FieldTy {
+    Str,
+    Int,
+    Float,
+    Bool,
+}
+
+impl FieldTy {
+    /// The built-in that reads a field as this type.
+    pub fn reader(self) -> &'static str {
+        match self {
+            FieldTy::Str => "field",
+            FieldTy::Int => "field_int",
+            FieldTy::Float => "field_float",
+            FieldTy::Bool => "field_bool",
+        }
+    }
+
+    /// `a string`, `an int`, …: for messages.
+    pub fn describe(self) -> &'static str {
+        match self {
+            FieldTy::Str => "a string",
+            FieldTy::Int => "an int",
+            FieldTy::Float => "a number",
+            FieldTy::Bool => "a bool",
+        }
+    }
+
+    /// Whether a value can be read as this type: exactly its own type, except that an int
+    /// reads as a float (JSON writes `2` for the float 2.0). Nothing else converts: a string
+    /// holding digits is not a number, and a number is not a string.
+    pub fn accepts(self, v: &FieldValue) -> bool {
+        matches!(
+            (self, v),
+            (FieldTy::Str, FieldValue::Str(_))
+                | (FieldTy::Int, FieldValue::Int(_))
+                | (FieldTy::Float, FieldValue::Float(_) | FieldValue::Int(_))
+                | (FieldTy::Bool, FieldValue::Bool(_))
+        )
+    }
+}
+
+impl From<ScalarTy> for FieldTy {
+    fn from(t: ScalarTy) -> FieldTy {
+        match t {
+            ScalarTy::Int => FieldTy::Int,
+            ScalarTy::Float => FieldTy::Float,
+            ScalarTy::Bool => FieldTy::Bool,
+        }
+    }
+}
+
+/// A field of a dataset record that a kernel reads, with the type it reads it as.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct RecordField {
+    pub name: String,
+    pub ty: FieldTy,
+}
+
+impl RecordField {
+    /// Checks a record's value of this field (`None`: the record has none). The error says
+    /// what is wrong in words, for a message that names the record's file and line.
+    pub fn check(&self, v: Option<&FieldValue>) -> Result<(), String> {
+        let reader = self.ty.reader();
+        match v {
+            None => Err(format!(
+                "has no field `{}`, which `{reader}(s, \"{}\")` reads",
+                self.name, self.name
+            )),
+            Some(v) if !self.ty.accepts(v) => Err(format!(
+                "field `{}` is {}, but `{reader}` reads {} (read it with `{}`)",
+                self.name,
+                v.describe(),
+                self.ty.describe(),
+                v.ty().reader()
+            )),
+            Some(_) => Ok(()),
+        }
+    }
+}
+
+/// The value of a record field. Deserialises from a JSON scalar (untagged): `true`, `2`,
+/// `2.5`, `"x"`; an integer beyond `i64` becomes a float. Arrays, objects and `null` are not
+/// field values.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum FieldValue {
+    Bool(bool),
+    Int(i64),
+    Float(f64),
+    Str(String),
+}
+
+impl FieldValue {
+    /// `a string`, `an int`, …: for messages.
+    pub fn describe(&self) -> &'static str {
+        match self {
+            FieldValue::Bool(_) => "a bool",
+            FieldValue::Int(_) => "an int",
+            FieldValue::Float(_) => "a float",
+            FieldValue::Str(_) => "a string",
+        }
+    }
+
+    /// Its own type.
+    pub fn ty(&self) -> FieldTy {
+        match self {
+            FieldValue::Bool(_) => FieldTy::Bool,
+            FieldValue::Int(_) => FieldTy::Int,
+            FieldValue::Float(_) => FieldTy::Float,
+            FieldValue::Str(_) => FieldTy::Str,
+        }
+    }
+}
+
+/// The record fields of one sample, by name.
+pub type Fields = BTreeMap<String, FieldValue>;
 
 /// One host built-in call with its constant operands. `param` is the index of a `Sample`
 /// parameter of the kernel (all samples' texts come from the batch).
@@ -81,12 +218,66 @@ pub enum HostCall {
         completion: StrField,
         answer: StrField,
     },
+    /// `text == "lit"` -> bool (`!=` is its negation).
+    Equals {
+        param: u32,
+        field: StrField,
+        lit: String,
+    },
+    /// `a == b` on two texts of the same sample -> bool.
+    TextsEqual {
+        param: u32,
+        a: StrField,
+        b: StrField,
+    },
+    /// `field_int(s, "name")`, `field_float`, `field_bool`: the record's field as an `Int`, a
+    /// `Float` (an int field converted) or a `Bool`.
+    Field {
+        param: u32,
+        name: String,
+        ty: ScalarTy,
+    },
 }
 
 impl HostCall {
-    /// `true` for built-ins that yield a `Bool`, `false` for `Int`.
-    pub fn returns_bool(&self) -> bool {
-        !matches!(self, HostCall::CountRegex { .. } | HostCall::StrLen { .. })
+    /// The type the call yields: `Int` or `Bool`, or a record field's type. A `Float` travels
+    /// through the host ABI's `i64` as its bits.
+    pub fn result_ty(&self) -> Ty {
+        match self {
+            HostCall::CountRegex { .. } | HostCall::StrLen { .. } => Ty::Int,
+            HostCall::Field { ty, .. } => ty.ty(),
+            _ => Ty::Bool,
+        }
+    }
+
+    /// The record fields the call reads, with the type it reads each as.
+    pub fn record_fields(&self) -> Vec<RecordField> {
+        let text = |f: &StrField| match f {
+            StrField::Record(name) => Some(RecordField {
+                name: name.clone(),
+                ty: FieldTy::Str,
+            }),
+            _ => None,
+        };
+        match self {
+            HostCall::CountRegex { field, .. }
+            | HostCall::MatchesRegex { field, .. }
+            | HostCall::Contains { field, .. }
+            | HostCall::StartsWith { field, .. }
+            | HostCall::EndsWith { field, .. }
+            | HostCall::StrLen { field, .. }
+            | HostCall::Equals { field, .. } => text(field).into_iter().collect(),
+            HostCall::AnswerMatches {
+                completion: a,
+                answer: b,
+                ..
+            }
+            | HostCall::TextsEqual { a, b, .. } => text(a).into_iter().chain(text(b)).collect(),
+            HostCall::Field { name, ty, .. } => vec![RecordField {
+                name: name.clone(),
+                ty: (*ty).into(),
+            }],
+        }
     }
 
     /// The `Sample` parameter the call reads.
@@ -98,7 +289,10 @@ impl HostCall {
             | HostCall::StartsWith { param, .. }
             | HostCall::EndsWith { param, .. }
             | HostCall::StrLen { param, .. }
-            | HostCall::AnswerMatches { param, .. } => *param,
+            | HostCall::AnswerMatches { param, .. }
+            | HostCall::Equals { param, .. }
+            | HostCall::TextsEqual { param, .. }
+            | HostCall::Field { param, .. } => *param,
         }
     }
 
@@ -146,8 +340,10 @@ impl HostFns {
         Ok(HostFns { calls: out })
     }
 
-    /// Evaluates call `index` on one sample's text: an `Int`, or `0`/`1` for a `Bool`.
-    /// An index out of range yields `0` (the verifier rules it out; this never panics).
+    /// Evaluates call `index` on one sample's text: an `Int`, `0`/`1` for a `Bool`, or a
+    /// `Float`'s bits. An index out of range, or a record field the driver has not checked,
+    /// yields `0` (neither happens after verification and the driver's checks; this never
+    /// panics).
     pub fn call(&self, index: usize, text: &SampleText) -> i64 {
         let Some((call, re)) = self.calls.get(index) else {
             return 0;
@@ -178,6 +374,15 @@ impl HostFns {
                 },
                 _,
             ) => i64::from(answer_matches(completion.of(text), answer.of(text))),
+            (HostCall::Equals { field, lit, .. }, _) => i64::from(field.of(text) == lit),
+            (HostCall::TextsEqual { a, b, .. }, _) => i64::from(a.of(text) == b.of(text)),
+            (HostCall::Field { name, ty, .. }, _) => match (ty, text.fields.get(name)) {
+                (ScalarTy::Int, Some(FieldValue::Int(i))) => *i,
+                (ScalarTy::Float, Some(FieldValue::Float(x))) => x.to_bits() as i64,
+                (ScalarTy::Float, Some(FieldValue::Int(i))) => (*i as f64).to_bits() as i64,
+                (ScalarTy::Bool, Some(FieldValue::Bool(b))) => i64::from(*b),
+                _ => 0,
+            },
         }
     }
 }
@@ -269,6 +474,7 @@ mod tests {
             prompt: "p".into(),
             completion: "banana".into(),
             answer: "".into(),
+            ..SampleText::default()
         };
         let f = HostFns::compile(&[
             HostCall::CountRegex {
@@ -305,5 +511,78 @@ mod tests {
             }])
             .is_err()
         );
+    }
+
+    #[test]
+    fn record_fields_read_as_their_type_and_string_equality() {
+        let mut fields = Fields::new();
+        fields.insert("difficulty".into(), FieldValue::Int(2));
+        fields.insert("weight".into(), FieldValue::Float(0.5));
+        fields.insert("hard".into(), FieldValue::Bool(true));
+        fields.insert("topic".into(), FieldValue::Str("math".into()));
+        let t = SampleText {
+            prompt: "p".into(),
+            completion: "math".into(),
+            answer: "".into(),
+            fields,
+        };
+        let topic = StrField::Record("topic".into());
+        let calls = [
+            HostCall::Field {
+                param: 0,
+                name: "difficulty".into(),
+                ty: ScalarTy::Int,
+            },
+            HostCall::Field {
+                param: 0,
+                name: "difficulty".into(),
+                ty: ScalarTy::Float,
+            },
+            HostCall::Field {
+                param: 0,
+                name: "weight".into(),
+                ty: ScalarTy::Float,
+            },
+            HostCall::Field {
+                param: 0,
+                name: "hard".into(),
+                ty: ScalarTy::Bool,
+            },
+            HostCall::Equals {
+                param: 0,
+                field: topic.clone(),
+                lit: "math".into(),
+            },
+            HostCall::TextsEqual {
+                param: 0,
+                a: topic.clone(),
+                b: StrField::Completion,
+            },
+            HostCall::StrLen {
+                param: 0,
+                field: topic.clone(),
+            },
+        ];
+        let f = HostFns::compile(&calls).unwrap();
+        assert_eq!(f.call(0, &t), 2);
+        assert_eq!(f64::from_bits(f.call(1, &t) as u64), 2.0);
+        assert_eq!(f64::from_bits(f.call(2, &t) as u64), 0.5);
+        assert_eq!(f.call(3, &t), 1);
+        assert_eq!(f.call(4, &t), 1);
+        assert_eq!(f.call(5, &t), 1);
+        assert_eq!(f.call(6, &t), 4);
+        assert_eq!(calls[1].result_ty(), Ty::Float);
+        assert_eq!(
+            calls[5].record_fields(),
+            vec![RecordField {
+                name: "topic".into(),
+                ty: FieldTy::Str
+            }]
+        );
+        // Only an int widens; nothing else converts.
+        assert!(FieldTy::Float.accepts(&FieldValue::Int(1)));
+        assert!(!FieldTy::Int.accepts(&FieldValue::Float(1.0)));
+        assert!(!FieldTy::Str.accepts(&FieldValue::Int(1)));
+        assert!(!FieldTy::Int.accepts(&FieldValue::Str("1".into())));
     }
 }

@@ -329,10 +329,11 @@ impl Eval<'_> {
             Op::BlockParam { .. } => self.get(x).clone(),
             Op::Host(n) => {
                 let r = s.text.map_or(0, |t| self.it.host.call(*n as usize, t));
-                if inst.ty == Ty::Bool {
-                    V::B(r != 0)
-                } else {
-                    V::I(r)
+                match inst.ty {
+                    Ty::Bool => V::B(r != 0),
+                    // A float crosses the host ABI as its bits.
+                    Ty::Float => V::F(f64::from_bits(r as u64)),
+                    _ => V::I(r),
                 }
             }
         }

@@ -21,7 +21,7 @@ pub mod verify;
 
 pub use builder::{BuildError, IfBuilder, KernelBuilder, SampleParam, ScanBuilder};
 pub use exec::{Arg, Batch, KernelExec, Output, Ragged, RunError, SampleText};
-pub use host::{HostCall, StrField};
+pub use host::{FieldTy, FieldValue, Fields, HostCall, RecordField, StrField};
 pub use interp::Interpreter;
 pub use verify::{VerifyError, verify};
 
@@ -288,7 +288,8 @@ pub enum Op {
     },
     /// Parameter `index` of block `block` (defined by the construct that owns the block).
     BlockParam { block: BlockId, index: u32 },
-    /// A host built-in: entry `n` of [`Kernel::host_calls`], an `Int` or a `Bool`.
+    /// A host built-in: entry `n` of [`Kernel::host_calls`], of the call's
+    /// [`HostCall::result_ty`] (`Int`, `Bool`, or a record field's `Float`).
     Host(u32),
 }
 
@@ -379,6 +380,19 @@ impl Kernel {
                 )
             })
             .collect()
+    }
+
+    /// The dataset record fields the kernel reads, each with the type it is read as, sorted
+    /// and without repeats: what every sample's record must hold.
+    pub fn record_fields(&self) -> Vec<RecordField> {
+        let mut out: Vec<RecordField> = self
+            .host_calls
+            .iter()
+            .flat_map(HostCall::record_fields)
+            .collect();
+        out.sort();
+        out.dedup();
+        out
     }
 
     /// A structural hash: equal for kernels equal in everything but their name, stable across

@@ -9,8 +9,8 @@
 use super::builder::{BuildError, SampleParam};
 use super::exec::{Arg, Batch, Ragged, SampleText};
 use super::{
-    BinOp, IntField, Kernel, KernelBuilder, ParamKind, ReduceOp, ScalarTy, Scope, StrField, Ty,
-    Value,
+    BinOp, FieldValue, Fields, IntField, Kernel, KernelBuilder, ParamKind, ReduceOp, ScalarTy,
+    Scope, StrField, Ty, Value,
 };
 
 /// A reader of choices from bytes; zeros once the bytes run out.
@@ -189,6 +189,34 @@ pub fn random_case(data: &[u8]) -> Result<RandomCase, BuildError> {
     Ok(RandomCase { kernel, inputs })
 }
 
+/// The record fields the generated kernels read (`n`: int, `x`: float, `b`: bool, `t`:
+/// string). One sample in sixteen lacks `n` or holds another type in `x`, so that the driver's
+/// field check (shared by both backends) is exercised too.
+fn random_fields(u: &mut Bytes<'_>) -> Fields {
+    let mut f = Fields::new();
+    match u.below(16) {
+        0 => {}
+        1 => {
+            f.insert("n".into(), FieldValue::Str("3".into()));
+        }
+        _ => {
+            f.insert("n".into(), FieldValue::Int(u.i64() % 100));
+        }
+    }
+    let x = match u.below(16) {
+        0 => FieldValue::Bool(true),
+        1..=4 => FieldValue::Int(u.i64()),
+        _ => FieldValue::Float(u.f64()),
+    };
+    f.insert("x".into(), x);
+    f.insert("b".into(), FieldValue::Bool(u.below(2) == 1));
+    f.insert(
+        "t".into(),
+        FieldValue::Str(TEXTS[u.below(TEXTS.len())].into()),
+    );
+    f
+}
+
 fn random_inputs(u: &mut Bytes<'_>, kinds: &[ParamKind]) -> OwnedInputs {
     let n = u.below(6);
     let lengths: Vec<usize> = (0..n).map(|_| u.below(7)).collect();
@@ -198,6 +226,7 @@ fn random_inputs(u: &mut Bytes<'_>, kinds: &[ParamKind]) -> OwnedInputs {
             prompt: TEXTS[u.below(TEXTS.len())].into(),
             completion: TEXTS[u.below(TEXTS.len())].into(),
             answer: ["42", "1000", "8"][u.below(3)].into(),
+            fields: random_fields(u),
         })
         .collect();
     let mut offsets = vec![0usize];
@@ -450,8 +479,14 @@ impl Gen<'_> {
             }
             13 => {
                 let Some(s) = self.sample else { return };
-                let f = [StrField::Prompt, StrField::Completion, StrField::Answer][self.u.below(3)];
-                let v = match self.u.below(7) {
+                let f = [
+                    StrField::Prompt,
+                    StrField::Completion,
+                    StrField::Answer,
+                    StrField::Record("t".into()),
+                ][self.u.below(4)]
+                .clone();
+                let v = match self.u.below(12) {
                     0 => self
                         .b
                         .count_regex(s, f, PATTERNS[self.u.below(PATTERNS.len())]),
@@ -462,6 +497,11 @@ impl Gen<'_> {
                     3 => self.b.starts_with(s, f, "the"),
                     4 => self.b.ends_with(s, f, "}"),
                     5 => self.b.str_len(s, f),
+                    6 => self.b.str_equals(s, f, TEXTS[self.u.below(TEXTS.len())]),
+                    7 => self.b.texts_equal(s, f, StrField::Completion),
+                    8 => self.b.record_field(s, "n", ScalarTy::Int),
+                    9 => self.b.record_field(s, "x", ScalarTy::Float),
+                    10 => self.b.record_field(s, "b", ScalarTy::Bool),
                     _ => self
                         .b
                         .answer_matches(s, StrField::Completion, StrField::Answer),

@@ -309,6 +309,53 @@ fn random_cases_always_build() {
     }
 }
 
+/// The differential tests only check what the generator makes: record fields of every type
+/// must be among it, in kernels whose inputs both hold them and (sometimes) lack them.
+#[test]
+fn random_cases_read_record_fields_of_every_type() {
+    use crate::kernel::{FieldTy, HostCall};
+    let mut state = 0x9E37_79B9_7F4A_7C15u64;
+    let mut next = || {
+        state = state
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (state >> 33) as u8
+    };
+    let mut types = std::collections::BTreeSet::new();
+    let (mut complete, mut incomplete) = (0, 0);
+    for _ in 0..2000 {
+        let bytes: Vec<u8> = (0..400).map(|_| next()).collect();
+        let case = random::random_case(&bytes).unwrap();
+        let fields = case.kernel.record_fields();
+        if fields.is_empty() || case.inputs.n_samples == 0 {
+            continue;
+        }
+        types.extend(fields.iter().map(|f| f.ty));
+        let all_present = case.inputs.texts.iter().all(|t| {
+            fields
+                .iter()
+                .all(|f| t.fields.get(&f.name).is_some_and(|v| f.ty.accepts(v)))
+        });
+        if all_present {
+            complete += 1;
+        } else {
+            incomplete += 1;
+        }
+        assert!(case.kernel.host_calls.iter().any(|h| matches!(
+            h,
+            HostCall::Field { .. } | HostCall::Equals { .. } | HostCall::TextsEqual { .. }
+        ) || !h.record_fields().is_empty()));
+    }
+    assert_eq!(
+        types.into_iter().collect::<Vec<_>>(),
+        vec![FieldTy::Str, FieldTy::Int, FieldTy::Float, FieldTy::Bool]
+    );
+    assert!(
+        complete > 20 && incomplete > 2,
+        "{complete} complete, {incomplete} incomplete"
+    );
+}
+
 #[test]
 fn braid_ir_depends_on_no_backend_front_end_or_lsp_crate() {
     let manifest = include_str!("../../Cargo.toml");

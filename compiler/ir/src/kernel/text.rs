@@ -74,6 +74,20 @@ impl Display for HostText<'_> {
                     answer.name()
                 )
             }
+            HostCall::Equals { param, field, lit } => {
+                write!(f, "str_eq p{param}.{}, {lit:?}", field.name())
+            }
+            HostCall::TextsEqual { param, a, b } => {
+                write!(f, "str_eq p{param}.{}, p{param}.{}", a.name(), b.name())
+            }
+            HostCall::Field { param, name, ty } => {
+                let ty = match ty {
+                    ScalarTy::Int => "int",
+                    ScalarTy::Float => "float",
+                    ScalarTy::Bool => "bool",
+                };
+                write!(f, "field_{ty} p{param}, {name:?}")
+            }
         }
     }
 }

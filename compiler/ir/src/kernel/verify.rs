@@ -93,6 +93,12 @@ pub fn verify(k: &Kernel) -> Result<(), VerifyError> {
                 call.param()
             )));
         }
+        // A record has no field without a name; the language only writes literal names.
+        if call.record_fields().iter().any(|f| f.name.is_empty()) {
+            return Err(err(format!(
+                "host call {i} reads a record field with no name"
+            )));
+        }
         let uses = k
             .insts
             .iter()
@@ -324,10 +330,7 @@ impl Verifier<'_> {
                     .host_calls
                     .get(*n as usize)
                     .ok_or_else(|| format!("host call {n} does not exist"))?;
-                want(
-                    inst.ty == if call.returns_bool() { Bool } else { Int },
-                    "host call",
-                )?;
+                want(inst.ty == call.result_ty(), "host call")?;
             }
         }
         Ok(dep)
