@@ -23,7 +23,7 @@ pub use models::cache::KvCache;
 pub use models::config::{Arch, ModelConfig};
 pub use models::model::{Head, LoadOptions, Model};
 pub use models::save::save_pretrained;
-pub use models::tiny::{TinyConfig, TinyVocab, tiny};
+pub use models::tiny::{TinyConfig, TinyVocab, tiny, tiny_in};
 pub use models::tokenizer::{ChatMessage, SpecialTokens, Tokenizer};
 pub use tch::Device;
 pub use training::infer::{InferOptions, Rollout, logprobs, score, values};

@@ -51,10 +51,11 @@ impl<'p> Executor<'p> {
                 },
             )?;
             copy_weights(&mut slot.model, &loaded)?;
-            opt.load(
-                &dir.join("optimizer")
-                    .join(format!("{}.safetensors", slot.spec.name)),
-            )?;
+            opt.load(&checkpoint::optimizer_path(&dir, &slot.spec.name))?;
+            if opt.has_masters() {
+                // The weights the run continues from; the model's copy is rounded from them.
+                opt.load_masters(&checkpoint::master_path(&dir, &slot.spec.name))?;
+            }
             if let Some(r) = slot.replica.as_mut() {
                 copy_weights(r, &slot.model)?;
             }

@@ -40,6 +40,9 @@ impl<'p> Executor<'p> {
         let mut loss_sum = 0.0;
         let mut norm_sum = 0.0;
         let mut opt_steps = 0usize;
+        // Optimizer steps that updated the model, and those skipped for non-finite gradients.
+        let mut taken = 0usize;
+        let mut skipped = 0usize;
         let mut clip_tok = 0.0;
         let mut ent_tok = 0.0;
         let mut tokens = 0.0;
@@ -89,7 +92,10 @@ impl<'p> Executor<'p> {
                     }
                     if let Some(total) = total {
                         mb_loss += total.double_value(&[]);
-                        total.backward();
+                        // Times the loss scale for f16 models (1 otherwise); the gradients of
+                        // a bf16 or f16 model then move into its f32 accumulators.
+                        opt.scale_loss(&total).backward();
+                        opt.accumulate();
                     }
                     if let Some(e) = &out.entropy {
                         ent_tok += e.detach().sum(Kind::Float).double_value(&[]);
@@ -97,18 +103,33 @@ impl<'p> Executor<'p> {
                     tokens += t as f64;
                 }
                 lr = opt.lr_at(opt.step, slot.total_opt_steps);
-                let norm = opt.step(lr, grad_clip);
-                norm_sum += norm;
+                let outcome = opt.step(lr, grad_clip);
+                if outcome.skipped {
+                    skipped += 1;
+                } else {
+                    norm_sum += outcome.norm;
+                    taken += 1;
+                }
                 loss_sum += mb_loss;
                 opt_steps += 1;
             }
         }
+        let loss_scale = opt.loss_scale();
+        let model_kind = slot.model.kind();
         if let Some(rep) = slot.replica.as_mut() {
             copy_weights(rep, &slot.model)?;
         }
         let k = opt_steps.max(1) as f64;
         stats.insert("loss".into(), loss_sum / k);
-        stats.insert("grad_norm".into(), norm_sum / k);
+        // The norm of the steps that updated the model: a skipped step's is inf or NaN.
+        if taken > 0 {
+            stats.insert("grad_norm".into(), norm_sum / taken as f64);
+        }
+        stats.insert("skipped_steps".into(), skipped as f64);
+        if model_kind == Kind::Half {
+            // The scale the next step starts with.
+            stats.insert("loss_scale".into(), loss_scale);
+        }
         stats.insert("lr".into(), lr);
         if terms
             .iter()

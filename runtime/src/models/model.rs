@@ -503,6 +503,28 @@ impl Model {
         })
     }
 
+    /// Converts every parameter to `kind` in place and returns the values they held before,
+    /// detached and named as in `named_parameters`: built in f32 and converted to bf16 or f16,
+    /// a trained model keeps these as its f32 master weights (see `training::optim`). No
+    /// parameter is copied twice: each master keeps the storage the parameter had, and the
+    /// parameter gets new storage in `kind`. Everything that shares a parameter (the layers'
+    /// tensors, a tied head) sees the conversion.
+    pub fn convert_keeping_masters(&mut self, kind: Kind) -> Result<Vec<(String, Tensor)>> {
+        let mut masters = Vec::new();
+        tch::no_grad(|| -> Result<()> {
+            for (name, var) in self.named_parameters() {
+                let master = var.detach();
+                let low = var.f_to_kind(kind)?;
+                let mut v = var.shallow_clone();
+                v.set_data(&low);
+                masters.push((name, master));
+            }
+            Ok(())
+        })?;
+        self.kind = kind;
+        Ok(masters)
+    }
+
     /// The configuration.
     pub fn config(&self) -> &ModelConfig {
         &self.config
