@@ -839,7 +839,8 @@ fn changed_share(
 /// bf16`, AdamW wrote into bf16 weights and under 1 % of them changed (84 % in f32); with f32
 /// masters as many masters change as f32 weights do. The checkpoint keeps the masters
 /// (`master/policy.safetensors`) next to the Hugging Face directory in bf16, and a resumed
-/// bf16 run continues from the masters: it computes what the uninterrupted run computes.
+/// bf16 run continues from the masters: it computes what the uninterrupted run computes. f16
+/// skips and counts the steps whose scaled gradients overflow.
 #[test]
 fn a_bf16_grpo_run_changes_its_parameters_like_f32_and_resumes_exactly() {
     let dir = tmp("bf16");
@@ -909,19 +910,37 @@ run grpo(policy, prompts, reward: vowels) {{
             assert_eq!(num(&line, "policy/skipped_steps"), 0.0);
         }
     }
-    // f16 trains the same way, with a loss scale that starts at 2^16 and no overflow here.
+    // f16 with loss scaling. This fixture's gradients exceed 1 (initializer range 0.2), so at
+    // the starting scale of 2^16 they overflow f16's largest value, 65504: the first step is
+    // skipped and counted, the scale halves, and the weights stay exactly the source's.
     let file = dir.join("f16.rlhf");
     std::fs::write(&file, program("f16")).unwrap();
     ok(&run_into(&file, &dir.join("f16")));
-    for line in metrics(&dir.join("f16")) {
-        assert_eq!(num(&line, "policy/skipped_steps"), 0.0);
-        assert_eq!(num(&line, "policy/loss_scale"), 65536.0);
-        assert!(num(&line, "policy/grad_norm").is_finite());
-    }
+    let m = metrics(&dir.join("f16"));
+    assert_eq!(num(&m[0], "policy/skipped_steps"), 1.0);
+    assert_eq!(num(&m[0], "policy/loss_scale"), 32768.0);
     assert!(
-        dir.join("f16/checkpoints/step-000003/master/policy.safetensors")
-            .exists()
+        !m[0].contains_key("policy/grad_norm"),
+        "a skipped step has no norm"
     );
+    let mut scale = 32768.0;
+    for line in &m[1..] {
+        let skipped = num(line, "policy/skipped_steps");
+        if skipped > 0.0 {
+            scale /= 2.0;
+        } else {
+            assert!(num(line, "policy/grad_norm").is_finite());
+        }
+        assert_eq!(num(line, "policy/loss_scale"), scale);
+    }
+    let ck = |step: usize| {
+        dir.join(format!(
+            "f16/checkpoints/step-{step:06}/master/policy.safetensors"
+        ))
+    };
+    assert_eq!(changed_share(&initial, &read_safetensors(&ck(1))), 0.0);
+    assert!(m.iter().any(|l| num(l, "policy/skipped_steps") == 0.0));
+    assert!(changed_share(&initial, &read_safetensors(&ck(3))) > 0.5);
     let (f32_share, bf16_share) = (shares[0], shares[1]);
     assert!(f32_share > 0.5, "f32 changed only {f32_share}");
     assert!(

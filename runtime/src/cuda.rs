@@ -150,7 +150,10 @@ mod tests {
     fn the_cuda_backend_is_linked_and_missing_devices_are_errors() {
         // build.rs says whether the libtorch it linked has a CUDA backend.
         if env!("BRAID_LIBTORCH_HAS_CUDA") == "1" {
-            assert!(backend_linked(), "libtorch_cuda.so is not loaded in this process");
+            assert!(
+                backend_linked(),
+                "libtorch_cuda.so is not loaded in this process"
+            );
         }
         if !tch::Cuda::is_available() {
             let err = Stream::from_pool(0).map(|_| ()).unwrap_err().to_string();

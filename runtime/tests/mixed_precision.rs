@@ -51,7 +51,9 @@ fn trained(kind: Kind, lr: f64) -> (Model, AdamW) {
 fn rollouts() -> (Vec<Rollout>, Vec<f32>) {
     let mut state = 12345u64;
     let mut next = |n: u64| {
-        state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        state = state
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         (state >> 33) % n
     };
     let mut seqs = Vec::new();
@@ -133,7 +135,11 @@ fn a_bf16_step_updates_the_parameters_like_an_f32_step() {
         let before = snapshot(&opt);
         let norm = train_step(&model, &mut opt, &seqs, &adv);
         let after = snapshot(&opt);
-        (after - &before, changed_share(&before, &snapshot(&opt)), norm)
+        (
+            after - &before,
+            changed_share(&before, &snapshot(&opt)),
+            norm,
+        )
     };
     let (d32, share32, norm32) = run(Kind::Float);
     let (d16, share16, norm16) = run(Kind::BFloat16);
@@ -142,7 +148,10 @@ fn a_bf16_step_updates_the_parameters_like_an_f32_step() {
     eprintln!(
         "step 1: cosine {cosine:.4}; changed f32 {share32:.4}, bf16 {share16:.4}; norm f32 {norm32:.4}, bf16 {norm16:.4}"
     );
-    assert!(cosine > 0.99, "cosine of the bf16 update with f32's: {cosine}");
+    assert!(
+        cosine > 0.99,
+        "cosine of the bf16 update with f32's: {cosine}"
+    );
     assert!(
         (share32 - share16).abs() < 0.05,
         "f32 changed {share32:.3} of the parameters, bf16 {share16:.3}"

@@ -73,7 +73,10 @@ pub fn write_safetensors(path: &Path, tensors: &[(String, Tensor)]) -> Result<()
     for (name, t) in &host {
         let kind = t.kind();
         let dtype = safetensors_dtype(kind).ok_or_else(|| {
-            Error::file(path, format!("tensor `{name}`: cannot write a {kind:?} tensor"))
+            Error::file(
+                path,
+                format!("tensor `{name}`: cannot write a {kind:?} tensor"),
+            )
         })?;
         let t = t.contiguous();
         let numel = t.numel();

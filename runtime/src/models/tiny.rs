@@ -196,7 +196,10 @@ mod tests {
         assert_eq!(b.kind(), Kind::BFloat16);
         for ((name, pf), (_, pb)) in f.named_parameters().iter().zip(b.named_parameters()) {
             assert_eq!(pb.kind(), Kind::BFloat16, "{name}");
-            assert!(pf.to_kind(Kind::BFloat16).equal(&pb), "{name} is not f32 rounded");
+            assert!(
+                pf.to_kind(Kind::BFloat16).equal(&pb),
+                "{name} is not f32 rounded"
+            );
         }
         let ids = Tensor::from_slice(&[256i64, 104, 105]).unsqueeze(0);
         let (hf, hb) = tch::no_grad(|| (f.forward(&ids, None), b.forward(&ids, None)));

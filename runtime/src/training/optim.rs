@@ -106,8 +106,7 @@ impl AdamW {
         config: Config,
         masters: Vec<(String, Tensor)>,
     ) -> Result<AdamW> {
-        let mut by_name: std::collections::BTreeMap<String, Tensor> =
-            masters.into_iter().collect();
+        let mut by_name: std::collections::BTreeMap<String, Tensor> = masters.into_iter().collect();
         let mut params = Vec::new();
         for (name, t) in model.named_parameters() {
             if !t.requires_grad() {
@@ -238,7 +237,9 @@ impl AdamW {
         if squares.is_empty() {
             return 0.0;
         }
-        let total = Tensor::stack(&squares, 0).sum(Kind::Double).double_value(&[]);
+        let total = Tensor::stack(&squares, 0)
+            .sum(Kind::Double)
+            .double_value(&[]);
         total.sqrt() * inv
     }
 
@@ -397,7 +398,12 @@ fn read_tensors(path: &Path, what: &str) -> Result<HashMap<String, Tensor>> {
 }
 
 /// Tensor `key` of a file, checked against `like`'s shape, as f32 on `like`'s device.
-fn get_like(map: &HashMap<String, Tensor>, path: &Path, key: &str, like: &Tensor) -> Result<Tensor> {
+fn get_like(
+    map: &HashMap<String, Tensor>,
+    path: &Path,
+    key: &str,
+    like: &Tensor,
+) -> Result<Tensor> {
     let t = map
         .get(key)
         .ok_or_else(|| Error::file(path, format!("missing `{key}`")))?;
@@ -495,14 +501,21 @@ mod tests {
         c.weight_decay = 0.1;
         let mut opt = AdamW::new(&m, c).unwrap();
         assert!(!opt.has_masters());
-        let (name, p) = (opt.params[0].name.clone(), opt.params[0].model.shallow_clone());
+        let (name, p) = (
+            opt.params[0].name.clone(),
+            opt.params[0].model.shallow_clone(),
+        );
         let before = p.detach().copy();
         let loss = (&p * 3.0).sum(Kind::Float);
         loss.backward();
         let out = opt.step(0.01, None);
         assert!(!out.skipped);
         let n: f64 = p.numel() as f64;
-        assert!((out.norm - (9.0 * n).sqrt()).abs() < 1e-3, "{name}: {}", out.norm);
+        assert!(
+            (out.norm - (9.0 * n).sqrt()).abs() < 1e-3,
+            "{name}: {}",
+            out.norm
+        );
         // p1 = p0 (1 - lr wd) - lr * sign(3)
         let expect = &before * (1.0 - 0.01 * 0.1) - 0.01;
         let diff = (p.detach() - expect).abs().max().double_value(&[]);
@@ -536,8 +549,14 @@ mod tests {
             // Adam's steady update with a constant gradient is lr · sign(g) per step.
             let want = &master0 - lr * step as f64;
             let diff = (master - want).abs().max().double_value(&[]);
-            assert!(diff < 1e-7 * step as f64, "step {step}: master off by {diff}");
-            assert!(p.equal(&master.to_kind(Kind::BFloat16)), "the copy is the master rounded");
+            assert!(
+                diff < 1e-7 * step as f64,
+                "step {step}: master off by {diff}"
+            );
+            assert!(
+                p.equal(&master.to_kind(Kind::BFloat16)),
+                "the copy is the master rounded"
+            );
         }
         // 400 steps of 1e-5 moved the weights by 4e-3: most bf16 values changed.
         let changed = p
