@@ -100,6 +100,7 @@ codes! {
     E0412 => "setting-not-constant", Error, "a run setting or default is not a constant";
     E0413 => "duplicate-block", Error, "a file has more than one `cluster` or `schedule`";
     E0414 => "invalid-eval", Error, "the run's `eval` is incomplete, contradictory, or evaluates on training prompts";
+    E0415 => "option-needs-training", Error, "a model option that only changes training is set on a model without `train:`";
     // Planning.
     E0501 => "pin-matches-nothing", Error, "a schedule pin names no model call of the run";
     E0502 => "ambiguous-pin", Error, "a schedule pin matches more than one model call";

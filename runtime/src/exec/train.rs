@@ -65,7 +65,13 @@ impl<'p> Executor<'p> {
                         continue;
                     }
                     let layout = layout_for(&lens, mb_tokens, mb.len(), r.max_new_tokens);
-                    let out = train_forward(&slot.model, &seqs, r.temperature, head)?;
+                    let mut out = train_forward(
+                        &slot.model,
+                        &seqs,
+                        r.temperature,
+                        head,
+                        slot.spec.gradient_checkpointing,
+                    )?;
                     if opt.step == start_step
                         && let Some(lp) = &out.logp
                     {
@@ -95,6 +101,10 @@ impl<'p> Executor<'p> {
                         // Times the loss scale for f16 models (1 otherwise); the gradients of
                         // a bf16 or f16 model then move into its f32 accumulators.
                         opt.scale_loss(&total).backward();
+                        if let Some(ck) = out.checkpoint.take() {
+                            // Activation checkpointing: the layers' backward, recomputed.
+                            slot.model.backward_checkpointed(ck)?;
+                        }
                         opt.accumulate();
                     }
                     if let Some(e) = &out.entropy {
@@ -157,6 +167,8 @@ pub(super) struct TrainOut {
     pub(super) entropy: Option<Tensor>,
     /// Values at the completion tokens `[T]` (critics).
     pub(super) values: Option<Tensor>,
+    /// With activation checkpointing: what the layers' recomputed backward needs.
+    pub(super) checkpoint: Option<crate::models::model::Checkpoint>,
 }
 
 pub(super) fn train_forward(
@@ -164,9 +176,15 @@ pub(super) fn train_forward(
     seqs: &[&Rollout],
     temperature: f64,
     head: Head,
+    checkpointing: bool,
 ) -> Result<TrainOut> {
     let (ids, mask) = infer::pad_batch(seqs, 0, model.device());
-    let hidden = model.hidden_states(&ids, Some(&mask));
+    let (hidden, checkpoint) = if checkpointing {
+        let (h, ck) = model.hidden_states_checkpointed(&ids, Some(&mask));
+        (h, Some(ck))
+    } else {
+        (model.hidden_states(&ids, Some(&mask)), None)
+    };
     let mut rows = Vec::new();
     let mut cols = Vec::new();
     let mut targets = Vec::new();
@@ -195,12 +213,14 @@ pub(super) fn train_forward(
                 logp: Some(logp),
                 entropy: Some(entropy),
                 values: None,
+                checkpoint,
             })
         }
         Head::Value => Ok(TrainOut {
             logp: None,
             entropy: None,
             values: Some(model.apply_head(&h).to_kind(Kind::Float)),
+            checkpoint,
         }),
         Head::Score => Err(Error::invalid(
             "train",
