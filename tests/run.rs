@@ -967,3 +967,30 @@ run grpo(policy, prompts, reward: vowels) {{
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `gradient_checkpointing` changes memory, not results: on the CPU the recomputed layers give
+/// the same gradients to the bit, so a run computes the same metrics with and without it.
+#[test]
+fn gradient_checkpointing_changes_memory_not_results() {
+    let dir = tmp("ckpt");
+    let mut runs = Vec::new();
+    for (name, program) in [
+        ("plain", SMALL.to_string()),
+        (
+            "checkpointed",
+            SMALL.replace(
+                "train: adamw(lr: 1e-3)",
+                "train: adamw(lr: 1e-3)\n  gradient_checkpointing",
+            ),
+        ),
+    ] {
+        let file = dir.join(format!("{name}.rlhf"));
+        std::fs::write(&file, &program).unwrap();
+        let run_dir = dir.join(name);
+        ok(&run_into(&file, &run_dir));
+        runs.push(comparable(&metrics(&run_dir)));
+    }
+    assert_eq!(runs[0].len(), 10);
+    assert_eq!(runs[0], runs[1], "checkpointing changed the run's numbers");
+    let _ = std::fs::remove_dir_all(&dir);
+}
