@@ -988,6 +988,11 @@ fn gradient_checkpointing_changes_memory_not_results() {
         std::fs::write(&file, &program).unwrap();
         let run_dir = dir.join(name);
         ok(&run_into(&file, &run_dir));
+        let plan: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(run_dir.join("plan.json")).unwrap())
+                .unwrap();
+        let on = plan["plan"]["models"][0]["gradient_checkpointing"] == true;
+        assert_eq!(on, name == "checkpointed", "{}", plan["plan"]["models"]);
         runs.push(comparable(&metrics(&run_dir)));
     }
     assert_eq!(runs[0].len(), 10);
