@@ -204,7 +204,10 @@ pub fn to_dag(a: &Annotated, fusion: bool) -> Result<(Dag, BTreeMap<NodeId, Task
                     instances: p.dp.max(1),
                     lengths: clip_lengths(&a.workload.lengths, size.max_new),
                     model: shape.clone(),
-                    cost: node.op.model().map_or_else(|| a.cost.clone(), |m| a.cost_of(m)),
+                    cost: node
+                        .op
+                        .model()
+                        .map_or_else(|| a.cost.clone(), |m| a.cost_of(m)),
                     migration: a.decisions.migrations.get(&id).filter(|_| fusion).map(|m| {
                         Migration {
                             threshold: m.threshold,

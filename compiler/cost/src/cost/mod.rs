@@ -264,7 +264,8 @@ impl CostModel {
         // Backward: twice the forward FLOPs (gradients for activations and for weights), the
         // same all-reduces; weights are re-read once, so compute dominates except at tiny sizes.
         let fwd_comm = self.tp_comm(model, layout, tokens);
-        let backward = 2.0 * (forward - fwd_comm) + fwd_comm + if recompute { forward } else { 0.0 };
+        let backward =
+            2.0 * (forward - fwd_comm) + fwd_comm + if recompute { forward } else { 0.0 };
         let stages = layout.pp as f64;
         let pipeline = (m as f64 + stages - 1.0) * (forward + backward);
         let bubble_fraction = (stages - 1.0) / (m as f64 + stages - 1.0);
@@ -600,7 +601,10 @@ mod tests {
         for bytes in [4, 2] {
             let need = c.for_dtype(bytes).memory(&m, Layout::SINGLE, &frozen);
             assert_eq!(need.weights, bytes * n);
-            assert_eq!((need.gradients, need.optimizer, need.activations), (0, 0, 0));
+            assert_eq!(
+                (need.gradients, need.optimizer, need.activations),
+                (0, 0, 0)
+            );
             assert_eq!(need.kv_cache, 8 * 1024 * m.kv_bytes_per_token(bytes));
         }
         let train = MemoryUse {

@@ -126,7 +126,8 @@ impl Pass for Speculate {
                 ),
             };
             let per_token = |b: u64, k: u64| -> f64 {
-                step_cost(&cost, &shape, layout, b, ctx, k, draft_shape.as_ref()) / expected(alpha, k)
+                step_cost(&cost, &shape, layout, b, ctx, k, draft_shape.as_ref())
+                    / expected(alpha, k)
             };
             let mut policy = Vec::new();
             let mut b = 1u64;
