@@ -1444,6 +1444,53 @@ mod tests {
         }
     }
 
+    /// The fused causal attention CUDA uses (libtorch's `scaled_dot_product_attention` with
+    /// `is_causal` and grouped-query heads, no mask), run here on the CPU, agrees with the
+    /// masked path: right-padded whole sequences (positions valid in every row), unpadded
+    /// ones, and a prefill into a fresh cache. Left padding keeps the mask.
+    #[test]
+    fn fused_causal_attention_agrees_with_the_masked_path() {
+        crate::device::set_cpu_threads(1);
+        let cfg = TinyConfig {
+            layers: 2,
+            hidden: 96,
+            heads: 6,
+            kv_heads: 2,
+            intermediate: 200,
+            ..TinyConfig::default()
+        };
+        let (m, _) = tiny(&cfg, Head::Lm, Device::Cpu).unwrap();
+        let ids = Tensor::arange_start(3, 39, (Kind::Int64, Device::Cpu)).reshape([2, 18]);
+        let mut mask = vec![1i64; 36];
+        for x in &mut mask[18 + 11..] {
+            *x = 0;
+        }
+        let mask = Tensor::from_slice(&mask).reshape([2, 18]);
+        let run = |fused: bool| {
+            m.set_fused_attention(fused);
+            m.set_libtorch_steps(true);
+            let padded = tch::no_grad(|| m.forward(&ids, Some(&mask)));
+            let plain = tch::no_grad(|| m.forward(&ids, None));
+            let mut cache = m.new_cache(2);
+            let prefill = m.forward_cached(&mut cache, &ids, &[18, 11]);
+            m.set_fused_attention(false);
+            m.set_libtorch_steps(false);
+            (padded, plain, prefill)
+        };
+        let (a, b, c) = run(true);
+        let (x, y, z) = run(false);
+        let close = |p: &Tensor, q: &Tensor, what: &str| {
+            let d = (p - q).abs().max().double_value(&[]);
+            assert!(d < 1e-5, "{what}: fused and masked differ by {d}");
+        };
+        // Row 1's pad positions compute different things on the two paths; only real ones.
+        close(&a.get(0), &x.get(0), "right-padded row 0");
+        close(&a.get(1).narrow(0, 0, 11), &x.get(1).narrow(0, 0, 11), "right-padded row 1");
+        close(&b, &y, "unpadded");
+        close(&c.get(0), &z.get(0), "prefill row 0");
+        close(&c.get(1).narrow(0, 0, 11), &z.get(1).narrow(0, 0, 11), "prefill row 1");
+    }
+
     #[test]
     fn cache_rollback_recomputes_the_same_logits() {
         crate::device::set_cpu_threads(1);
