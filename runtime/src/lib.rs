@@ -16,7 +16,8 @@ pub mod training;
 
 pub use error::{Error, Result};
 pub use generation::engine::{
-    EngineOptions, FinishReason, Generation, Sample, generate, generate_stream, spawn_generation,
+    EngineOptions, FinishReason, Generation, Sample, SamplingPlace, generate, generate_stream,
+    spawn_generation,
 };
 pub use generation::sampling::SamplingParams;
 pub use models::cache::KvCache;

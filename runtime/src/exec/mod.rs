@@ -256,8 +256,21 @@ impl<'p> Executor<'p> {
                     Val::Loss(terms)
                 }
                 // The runtime runs a plan on one device, where every layout is the same
-                // placement: the planner's reshard, offload and reload nodes move nothing.
-                Op::Reshard { .. } | Op::Offload { .. } | Op::Reload { .. } => Val::Unit,
+                // placement: a reshard moves nothing.
+                Op::Reshard { .. } => Val::Unit,
+                // A frozen model the planner moves out of device memory between its calls:
+                // to pinned host memory and back on a GPU; on the CPU its weights are in host
+                // memory already.
+                Op::Offload { model, .. } => {
+                    self.slots[*model as usize].model.offload()?;
+                    *time.entry("offload").or_default() += t0.elapsed().as_secs_f64();
+                    Val::Unit
+                }
+                Op::Reload { model, .. } => {
+                    self.slots[*model as usize].model.reload()?;
+                    *time.entry("offload").or_default() += t0.elapsed().as_secs_f64();
+                    Val::Unit
+                }
                 Op::Train {
                     model,
                     epochs,

@@ -1,6 +1,9 @@
 //! Streaming generation (inter-stage fusion on one machine): the engine generates on one
 //! thread while the inference calls that read the rollout run on micro-batches of finished
-//! samples on this one.
+//! samples on this one. On a GPU the two threads also queue their kernels on different CUDA
+//! streams — generation on the default stream, streamed inference on one of c10's pool — so
+//! that the device runs them concurrently instead of one after the other (c10's current stream
+//! is per thread, so the generation thread is not affected).
 
 use super::*;
 
@@ -113,6 +116,12 @@ impl<'p> Executor<'p> {
             return Err(Error::invalid("plan", "no model to generate with"));
         };
         let plan = self.plan;
+        // Streamed inference's own CUDA stream, made current on this thread for the streaming
+        // window (its guard waits for the stream's work when dropped).
+        let infer_stream = match self.options.device {
+            Device::Cuda(i) if !consumers.is_empty() => Some(crate::cuda::Stream::from_pool(i)?),
+            _ => None,
+        };
         let t_gen = Instant::now();
         let (tx, rx) = mpsc::channel::<Result<Sample>>();
         let result: Result<()> = std::thread::scope(|scope| {
@@ -142,6 +151,10 @@ impl<'p> Executor<'p> {
             let mut next: Vec<usize> = vec![0; consumers.len()];
             let mut finished = vec![false; total];
             let mut outcome: Result<()> = Ok(());
+            let stream_guard = match &infer_stream {
+                Some(s) => Some(s.make_current()?),
+                None => None,
+            };
             let mut run_chunk = |k: usize,
                                  range: std::ops::Range<usize>,
                                  samples: &Vec<Option<(Sample, Rollout)>>,
@@ -213,6 +226,7 @@ impl<'p> Executor<'p> {
                 }
             }
             drop(rx);
+            drop(stream_guard);
             let gen_seconds = handle.join().unwrap_or(0.0);
             stats.gen_seconds = gen_seconds;
             outcome?;

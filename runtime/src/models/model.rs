@@ -602,6 +602,34 @@ impl Model {
         Ok(masters)
     }
 
+    /// Moves the parameters to host memory until [`Model::reload`] — pinned on a GPU, so the
+    /// way back is one DMA transfer per tensor; on the CPU they are in host memory already and
+    /// nothing moves. The executor does this for a frozen model that the plan offloads between
+    /// its calls; the model must not be called while offloaded.
+    pub fn offload(&mut self) -> Result<()> {
+        tch::no_grad(|| {
+            for (_, var) in self.named_parameters() {
+                let host = crate::device::to_host_pinned(&var);
+                let mut v = var.shallow_clone();
+                v.set_data(&host);
+            }
+        });
+        Ok(())
+    }
+
+    /// Brings offloaded parameters back to the model's device (a no-op when they are there).
+    pub fn reload(&mut self) -> Result<()> {
+        let device = self.device;
+        tch::no_grad(|| {
+            for (_, var) in self.named_parameters() {
+                let back = crate::device::from_host(&var, device);
+                let mut v = var.shallow_clone();
+                v.set_data(&back);
+            }
+        });
+        Ok(())
+    }
+
     /// The configuration.
     pub fn config(&self) -> &ModelConfig {
         &self.config
@@ -1485,10 +1513,18 @@ mod tests {
         };
         // Row 1's pad positions compute different things on the two paths; only real ones.
         close(&a.get(0), &x.get(0), "right-padded row 0");
-        close(&a.get(1).narrow(0, 0, 11), &x.get(1).narrow(0, 0, 11), "right-padded row 1");
+        close(
+            &a.get(1).narrow(0, 0, 11),
+            &x.get(1).narrow(0, 0, 11),
+            "right-padded row 1",
+        );
         close(&b, &y, "unpadded");
         close(&c.get(0), &z.get(0), "prefill row 0");
-        close(&c.get(1).narrow(0, 0, 11), &z.get(1).narrow(0, 0, 11), "prefill row 1");
+        close(
+            &c.get(1).narrow(0, 0, 11),
+            &z.get(1).narrow(0, 0, 11),
+            "prefill row 1",
+        );
     }
 
     #[test]
