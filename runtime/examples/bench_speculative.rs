@@ -55,7 +55,7 @@ fn run(m: &Model, tok: &Tokenizer, w: &Workload, mode: &SpeculateMode) -> Result
     let options = EngineOptions {
         max_batch: w.max_batch,
         speculate: mode.clone(),
-        draft_len: None,
+        ..EngineOptions::default()
     };
     let t = Instant::now();
     let c = cpu_seconds();

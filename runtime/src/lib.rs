@@ -26,5 +26,5 @@ pub use models::model::{Head, LoadOptions, Model};
 pub use models::save::save_pretrained;
 pub use models::tiny::{TinyConfig, TinyVocab, tiny, tiny_in};
 pub use models::tokenizer::{ChatMessage, SpecialTokens, Tokenizer};
-pub use tch::Device;
+pub use tch::{Device, Kind};
 pub use training::infer::{InferOptions, Rollout, logprobs, score, values};

@@ -20,10 +20,15 @@ use braid_runtime::{
 use serde_json::Value;
 use tch::{Device, Kind, Tensor};
 
+/// A fixture directory: under `BRAID_FIXTURES` when set (a test binary carried to another
+/// machine by `scripts/gpu-check`), else this crate's `tests/fixtures`.
 fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
-        .join(name)
+    match std::env::var_os("BRAID_FIXTURES") {
+        Some(dir) => PathBuf::from(dir).join(name),
+        None => PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures")
+            .join(name),
+    }
 }
 
 fn expected(name: &str) -> Value {
