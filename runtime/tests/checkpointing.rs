@@ -118,7 +118,7 @@ fn status_bytes(key: &str) -> u64 {
 /// The child's work: one forward and backward of a model whose activations dwarf its weights
 /// (8 layers, 8 sequences of 384 tokens). Returns how far its peak resident memory (`VmHWM`)
 /// rose above what it held before the forward (libraries, weights, inputs).
-fn child_peak(checkpointing: bool) -> u64 {
+fn child_peak(checkpointing: bool) -> (u64, f64) {
     braid_runtime::device::set_cpu_threads(1);
     let (m, _) = tiny(
         &TinyConfig {
@@ -137,6 +137,7 @@ fn child_peak(checkpointing: bool) -> u64 {
         .remainder(250)
         .reshape([8, 384]);
     let before = status_bytes("VmRSS:");
+    let start = std::time::Instant::now();
     if checkpointing {
         let (h, ck) = m.hidden_states_checkpointed(&ids, None);
         loss(&m.apply_head(&h)).backward();
@@ -144,16 +145,20 @@ fn child_peak(checkpointing: bool) -> u64 {
     } else {
         loss(&m.forward(&ids, None)).backward();
     }
-    status_bytes("VmHWM:").saturating_sub(before)
+    (
+        status_bytes("VmHWM:").saturating_sub(before),
+        start.elapsed().as_secs_f64(),
+    )
 }
 
 #[test]
 fn checkpointing_lowers_peak_memory() {
     if let Ok(mode) = std::env::var("BRAID_CHECKPOINT_CHILD") {
-        println!("peak_bytes={}", child_peak(mode == "checkpointed"));
+        let (peak, seconds) = child_peak(mode == "checkpointed");
+        println!("seconds={seconds:.3} peak_bytes={peak}");
         return;
     }
-    let measure = |mode: &str| -> u64 {
+    let measure = |mode: &str| -> (u64, String) {
         let out = Command::new(std::env::current_exe().unwrap())
             .args([
                 "checkpointing_lowers_peak_memory",
@@ -174,13 +179,24 @@ fn checkpointing_lowers_peak_memory() {
             "{stdout}{}",
             String::from_utf8_lossy(&out.stderr)
         );
-        stdout
+        let line = stdout
             .lines()
-            .find_map(|l| l.split("peak_bytes=").nth(1))
-            .unwrap_or_else(|| panic!("no peak in {stdout}"))
+            .find(|l| l.contains("peak_bytes="))
+            .unwrap_or_else(|| panic!("no peak in {stdout}"));
+        let peak = line
+            .split("peak_bytes=")
+            .nth(1)
+            .unwrap()
             .trim()
             .parse()
-            .unwrap()
+            .unwrap();
+        let seconds = line
+            .split("seconds=")
+            .nth(1)
+            .and_then(|s| s.split_whitespace().next())
+            .unwrap_or("?")
+            .to_string();
+        (peak, seconds)
     };
     let plain = measure("plain");
     let checkpointed = measure("checkpointed");
