@@ -5,11 +5,14 @@
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::time::Duration;
 
+use braid_runtime::dist::{GroupOptions, ProcessGroup, World};
+use braid_runtime::exec::{all_gather_bytes, decode_samples, encode_samples, prompt_block};
 use braid_runtime::generation::spec::SpeculateMode;
 use braid_runtime::{
-    ChatMessage, EngineOptions, Error, Head, Kind, LoadOptions, Model, SamplingParams, TinyConfig,
-    Tokenizer, device, generate_stream, tiny_in,
+    ChatMessage, EngineOptions, Error, Head, Kind, LoadOptions, Model, Sample, SamplingParams,
+    TinyConfig, Tokenizer, device, generate, generate_stream, tiny_in,
 };
 
 /// `--dtype` of `braid generate`.
@@ -217,15 +220,54 @@ fn run_inner(args: &Args) -> Result<(), Error> {
             tokenizer.encode(text, true)?
         });
     }
+    // Under a launcher, each rank generates a block of the prompts (each sample's random
+    // stream from its index in the whole batch, as in one process) and rank 0 prints them all.
+    let world = World::from_env().map_err(|e| Error::invalid("launch", e.to_string()))?;
+    let block = if world.size > 1 {
+        prompt_block(ids.len(), world.size, world.rank)
+    } else {
+        0..ids.len()
+    };
     let options = EngineOptions {
         max_batch: args.max_batch as usize,
         speculate: args.speculate.clone(),
+        first_prompt: block.start,
         ..EngineOptions::default()
     };
     let many = texts.len() * args.n as usize > 1;
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
-    for sample in generate_stream(&model, &tokenizer, ids, params, options)? {
+    let samples: Box<dyn Iterator<Item = Result<Sample, Error>>> = if world.size > 1 {
+        let group = ProcessGroup::init(&world, GroupOptions::gloo(Duration::from_secs(1800)))?;
+        let mine: Vec<Sample> = generate(
+            &model,
+            &tokenizer,
+            ids[block.clone()].to_vec(),
+            params,
+            options,
+        )?
+        .into_iter()
+        .map(|mut s| {
+            s.prompt_index += block.start;
+            s
+        })
+        .collect();
+        let tagged: Vec<(usize, Sample)> = mine.into_iter().map(|s| (0, s)).collect();
+        let all = all_gather_bytes(&group, encode_samples(&tagged))?;
+        group.shutdown()?;
+        if world.rank != 0 {
+            return Ok(());
+        }
+        let mut every = Vec::new();
+        for part in all {
+            every.extend(decode_samples(&part)?.into_iter().map(|(_, s)| s));
+        }
+        every.sort_by_key(|s| (s.prompt_index, s.sample_index));
+        Box::new(every.into_iter().map(Ok))
+    } else {
+        Box::new(generate_stream(&model, &tokenizer, ids, params, options)?)
+    };
+    for sample in samples {
         let s = sample?;
         let line = match args.format {
             Format::Json => serde_json::json!({

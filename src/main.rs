@@ -10,6 +10,8 @@ mod eval;
 mod fmt;
 #[cfg(feature = "runtime")]
 mod generate;
+#[cfg(feature = "runtime")]
+mod launch;
 mod lsp;
 mod plan;
 mod report;
@@ -39,6 +41,9 @@ enum Command {
     /// Sample completions from a model directory or a tiny model.
     #[cfg(feature = "runtime")]
     Generate(generate::Args),
+    /// Start the ranks of a multi-process job on this node, as torchrun does.
+    #[cfg(feature = "runtime")]
+    Launch(launch::Args),
     /// Start the language server on stdio.
     Lsp(lsp::Args),
     /// Write an HTML page with a run's metric plots and stage timeline.
@@ -60,6 +65,8 @@ fn main() -> ExitCode {
         Command::Eval(args) => eval::run(args),
         #[cfg(feature = "runtime")]
         Command::Generate(args) => generate::run(args),
+        #[cfg(feature = "runtime")]
+        Command::Launch(args) => launch::run(args),
         Command::Lsp(args) => lsp::run(args),
         Command::Report(args) => report::run(args),
         #[cfg(feature = "runtime")]

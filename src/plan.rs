@@ -189,6 +189,23 @@ pub fn compile(
     Ok(c)
 }
 
+/// The executable plan of a compile, with the directory its relative model and data paths
+/// are read from: the program's, as an absolute path.
+pub fn exec_plan(compiled: &Compiled, file: &Path) -> Option<ExecPlan> {
+    let mut plan = compiled.exec_plan()?;
+    let dir = file.parent().unwrap_or(Path::new("."));
+    let dir = if dir.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        dir
+    };
+    plan.base_dir = std::fs::canonicalize(dir)
+        .unwrap_or_else(|_| dir.to_path_buf())
+        .display()
+        .to_string();
+    Some(plan)
+}
+
 /// Reads and verifies a `plan.json`.
 pub fn read_plan(path: &Path) -> Result<ExecPlan, String> {
     let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
@@ -273,7 +290,7 @@ pub fn run(args: Args) -> ExitCode {
         eprintln!("error: pass `{p}` is disabled, so there is nothing to dump after it");
         return ExitCode::from(2);
     }
-    let (Some(planned), Some(plan)) = (&compiled.planned, compiled.exec_plan()) else {
+    let (Some(planned), Some(plan)) = (&compiled.planned, exec_plan(&compiled, &args.file)) else {
         return ExitCode::from(1);
     };
     if let Some(out) = &args.emit

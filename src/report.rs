@@ -261,19 +261,26 @@ fn samples(run_dir: &std::path::Path) -> Result<String, (String, u8)> {
 
 fn report(args: &Args) -> Result<PathBuf, (String, u8)> {
     let (series, rows) = read_metrics(&args.run_dir)?;
-    let run_json = std::fs::read_to_string(args.run_dir.join("run.json"))
+    // The plan the run executed: its pipeline and where it was compiled.
+    let plan_json = std::fs::read_to_string(args.run_dir.join("plan.json"))
         .ok()
         .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok());
-    let program = run_json
+    let program = plan_json
         .as_ref()
-        .and_then(|v| v.get("program").and_then(|p| p.as_str()).map(String::from))
+        .map(|v| {
+            format!(
+                "{} (in {})",
+                v["plan"]["pipeline"].as_str().unwrap_or("?"),
+                v["base_dir"].as_str().unwrap_or("?")
+            )
+        })
         .unwrap_or_else(|| "?".into());
     let mut html = String::new();
     let _ = write!(
         html,
         r#"<!doctype html><html><head><meta charset="utf-8"><title>braid run report: {dir}</title>
 <style>body{{font-family:sans-serif;margin:1.5em}}figure{{display:inline-block;margin:.4em}}figcaption{{font-size:12px;text-align:center}}</style></head><body>
-<h1>Run {dir}</h1><p>program <code>{prog}</code>, {n} steps recorded</p>"#,
+<h1>Run {dir}</h1><p>pipeline <code>{prog}</code>, {n} steps recorded</p>"#,
         dir = esc(&args.run_dir.display().to_string()),
         prog = esc(&program),
         n = rows.len()

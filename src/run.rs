@@ -12,7 +12,10 @@ use std::time::Instant;
 use braid_cost::cluster::ClusterSpec;
 use braid_cost::cost::DeviceKind;
 use braid_ir::exec_plan::ExecPlan;
-use braid_runtime::exec::{Event, Executor, RunOptions};
+use std::time::Duration;
+
+use braid_runtime::dist::World;
+use braid_runtime::exec::{DistOptions, Event, Executor, RunOptions};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -49,6 +52,10 @@ pub struct Args {
     /// Print one plain line per step even on a terminal.
     #[arg(long)]
     plain: bool,
+    /// In a multi-process run, the longest any rank waits for the others in one collective
+    /// (a dead rank is noticed at once; a hung one after this long).
+    #[arg(long, value_name = "SECONDS", default_value_t = 1800)]
+    dist_timeout: u64,
     /// Print one of each step's generations (prompt, completion, reward, advantage), as
     /// written to RUN_DIR/samples.jsonl.
     #[arg(long)]
@@ -66,7 +73,11 @@ pub fn run(args: Args) -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(Fail(msg, code)) => {
             if !msg.is_empty() {
-                eprintln!("error: {msg}");
+                // In a multi-process run every rank reports its own failure: say whose.
+                match World::from_env() {
+                    Ok(w) if w.size > 1 => eprintln!("error: rank {}: {msg}", w.rank),
+                    _ => eprintln!("error: {msg}"),
+                }
             }
             ExitCode::from(code)
         }
@@ -77,22 +88,33 @@ fn runtime_err(e: braid_runtime::Error) -> Fail {
     Fail(e.to_string(), 1)
 }
 
-/// The device this process runs on and the cluster of one such device a program with no
-/// `cluster` block is planned for.
-fn this_world() -> (braid_runtime::Device, ClusterSpec) {
-    let device = braid_runtime::device::default_device();
-    let kind = if device == braid_runtime::Device::Cpu {
-        DeviceKind::Cpu
+/// The device this process runs on, and the cluster a program with no `cluster` block is
+/// planned for: one device per process of the world it was launched into (CPU processes, or
+/// one GPU per process on each node).
+fn this_world(world: &World) -> (braid_runtime::Device, ClusterSpec) {
+    let gpu = braid_runtime::device::default_device() != braid_runtime::Device::Cpu;
+    let device = if gpu {
+        braid_runtime::Device::Cuda(world.local_rank)
     } else {
+        braid_runtime::Device::Cpu
+    };
+    let kind = if gpu {
         // The cost model needs a device kind; libtorch does not name the GPU, so an unknown
         // GPU is planned as an H100-class device.
         DeviceKind::H100
+    } else {
+        DeviceKind::Cpu
     };
+    let per_node = world
+        .local_size
+        .filter(|l| *l > 0 && world.size.is_multiple_of(*l))
+        .unwrap_or(world.size)
+        .max(1) as u64;
     (
         device,
         ClusterSpec {
-            nodes: 1,
-            per_node: 1,
+            nodes: (world.size as u64 / per_node).max(1),
+            per_node,
             device: kind,
         },
     )
@@ -109,24 +131,16 @@ fn compile(file: &Path, args: &Args, world: ClusterSpec) -> Result<ExecPlan, Fai
     };
     let compiled = crate::plan::compile(file, &options, true, &mut |_, _| {})
         .map_err(|_| Fail(String::new(), 1))?;
-    let mut plan = compiled
-        .exec_plan()
+    let plan = crate::plan::exec_plan(&compiled, file)
         .ok_or_else(|| Fail(format!("{name}: the program did not plan"), 1))?;
-    let dir = file.parent().unwrap_or(Path::new("."));
-    let dir = if dir.as_os_str().is_empty() {
-        Path::new(".")
-    } else {
-        dir
-    };
-    plan.base_dir = std::fs::canonicalize(dir)
-        .unwrap_or_else(|_| dir.to_path_buf())
-        .display()
-        .to_string();
     Ok(plan)
 }
 
 fn execute(args: &Args) -> Result<(), Fail> {
-    let (device, world) = this_world();
+    let launched = World::from_env().map_err(|e| Fail(e.to_string(), 2))?;
+    let (device, world) = this_world(&launched);
+    // Only rank 0 reports progress and writes the run directory; every rank reports errors.
+    let lead = launched.rank == 0;
     // The plan, and the run directory it runs in.
     let (plan, run_dir, resume) = match (&args.resume, &args.file) {
         (Some(dir), file) => {
@@ -201,7 +215,7 @@ fn execute(args: &Args) -> Result<(), Fail> {
         };
         return eval_only(&plan, ckpt, base_dir, args, device);
     }
-    if !resume && run_dir.exists() {
+    if lead && !resume && run_dir.exists() {
         let non_empty = std::fs::read_dir(&run_dir)
             .map(|mut d| d.next().is_some())
             .unwrap_or(false);
@@ -220,8 +234,10 @@ fn execute(args: &Args) -> Result<(), Fail> {
                 .map_err(|e| Fail(format!("{}: cannot remove: {e}", run_dir.display()), 1))?;
         }
     }
-    std::fs::create_dir_all(&run_dir)
-        .map_err(|e| Fail(format!("{}: cannot create: {e}", run_dir.display()), 1))?;
+    if lead {
+        std::fs::create_dir_all(&run_dir)
+            .map_err(|e| Fail(format!("{}: cannot create: {e}", run_dir.display()), 1))?;
+    }
     let base_dir = match &args.base_dir {
         Some(d) => d.clone(),
         None => PathBuf::from(&plan.base_dir),
@@ -234,9 +250,15 @@ fn execute(args: &Args) -> Result<(), Fail> {
         steps: args.steps,
         checkpoint_every: args.checkpoint_every,
         device,
+        dist: (launched.size > 1).then(|| DistOptions {
+            world: launched.clone(),
+            timeout: Duration::from_secs(args.dist_timeout.max(1)),
+        }),
     };
-    for note in speculation_notes(&plan) {
-        eprintln!("{note}");
+    if lead {
+        for note in speculation_notes(&plan) {
+            eprintln!("{note}");
+        }
     }
     let mut ex = Executor::new(&plan, options).map_err(runtime_err)?;
     let names = plan.plan.model_names();
@@ -247,6 +269,9 @@ fn execute(args: &Args) -> Result<(), Fail> {
         })
     };
     for (g, on) in ex.streaming() {
+        if !lead {
+            break;
+        }
         if on.is_empty() {
             eprintln!("{}: inference waits for the whole batch", call(g));
         } else {
@@ -259,6 +284,9 @@ fn execute(args: &Args) -> Result<(), Fail> {
     }
     let total = ex.total_steps();
     let first = ex.first_step();
+    if !lead {
+        return ex.run(&mut |_| {}).map_err(runtime_err);
+    }
     eprintln!(
         "braid: {} `{}`, steps {}..{} of {}, run directory {}",
         if first > 0 { "resuming" } else { "running" },
@@ -422,6 +450,7 @@ fn eval_only(
         steps: None,
         checkpoint_every: None,
         device,
+        dist: None,
     };
     let mut ex = Executor::new(plan, options).map_err(runtime_err)?;
     ex.load_trained(&dir).map_err(runtime_err)?;

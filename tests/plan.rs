@@ -256,3 +256,100 @@ fn planned_memory_follows_dtype_and_checkpointing() {
         "checkpointed {ckpt} ({mbck} micro-batches) vs {bf16} ({mb16})"
     );
 }
+
+/// `braid plan FILE --emit PLAN.json` writes the executable plan; `braid plan PLAN.json` shows
+/// it exactly as `braid plan FILE` did; a plan file edited into inconsistency, truncated, or of
+/// another version is refused (exit 1) by `braid plan` and `braid run` with a message naming
+/// the file and the field.
+#[test]
+fn plan_files_show_as_planned_and_bad_ones_are_refused() {
+    let dir = std::env::temp_dir().join(format!("braid-plan-json-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    for ex in EXAMPLES {
+        let file = format!("examples/{ex}.rlhf");
+        for cluster in CLUSTERS {
+            let out = dir.join(format!("{ex}-{cluster}.json"));
+            let text = ok(&[
+                "plan",
+                &file,
+                "--cluster",
+                cluster,
+                "--emit",
+                out.to_str().unwrap(),
+            ]);
+            assert_eq!(
+                ok(&["plan", out.to_str().unwrap()]),
+                text,
+                "{ex} on {cluster}"
+            );
+        }
+    }
+    let good = dir.join("quickstart-cpu.json");
+    let text = std::fs::read_to_string(&good).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let edits: Vec<(&str, serde_json::Value, &str)> = vec![
+        (
+            "version",
+            {
+                let mut x = v.clone();
+                x["version"] = 2.into();
+                x
+            },
+            "version",
+        ),
+        (
+            "dtype",
+            {
+                let mut x = v.clone();
+                x["plan"]["models"][0]["dtype"] = "f8".into();
+                x
+            },
+            "plan.models[0].dtype",
+        ),
+        (
+            "steps",
+            {
+                let mut x = v.clone();
+                x["plan"]["steps"] = 0.into();
+                x
+            },
+            "plan.steps",
+        ),
+        (
+            "tp",
+            {
+                let mut x = v.clone();
+                x["decisions"]["placements"]["1"]["tp"] = 2.into();
+                x
+            },
+            "decisions.placements.1",
+        ),
+    ];
+    for (what, value, field) in edits {
+        let path = dir.join(format!("bad-{what}.json"));
+        std::fs::write(&path, value.to_string()).unwrap();
+        for cmd in [
+            vec!["plan", path.to_str().unwrap()],
+            vec![
+                "run",
+                path.to_str().unwrap(),
+                "--run-dir",
+                dir.join("r").to_str().unwrap(),
+            ],
+        ] {
+            let (code, _, err) = braid(&cmd);
+            assert_eq!(code, 1, "{what} {cmd:?}: {err}");
+            assert!(
+                err.contains(path.to_str().unwrap()) && err.contains(field),
+                "{what}: {err}"
+            );
+        }
+    }
+    let truncated = dir.join("truncated.json");
+    std::fs::write(&truncated, &text[..text.len() / 2]).unwrap();
+    let (code, _, err) = braid(&["plan", truncated.to_str().unwrap()]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("not JSON"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -999,3 +999,70 @@ fn gradient_checkpointing_changes_memory_not_results() {
     assert_eq!(runs[0], runs[1], "checkpointing changed the run's numbers");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `braid run PLAN.json` runs exactly what `braid run FILE.rlhf` runs: the plan `braid plan
+/// --emit` writes, read back, gives bit-identical metrics (the quickstart and PPO with four
+/// models, whose reward model is read relative to the program's directory).
+#[test]
+fn a_plan_file_runs_like_its_program() {
+    let dir = tmp("planfile");
+    for (example, steps) in [("quickstart", "3"), ("ppo_tiny", "2")] {
+        let file = format!("examples/{example}.rlhf");
+        let plan = dir.join(format!("{example}.plan.json"));
+        let out = braid(&["plan", &file, "--emit", plan.to_str().unwrap()]);
+        ok(&out);
+        let mut runs = Vec::new();
+        for (name, input) in [("program", file.as_str()), ("plan", plan.to_str().unwrap())] {
+            let run_dir = dir.join(format!("{example}-{name}"));
+            let out = braid(&[
+                "run",
+                input,
+                "--run-dir",
+                run_dir.to_str().unwrap(),
+                "--steps",
+                steps,
+            ]);
+            ok(&out);
+            // The run directory keeps the plan it ran: the same plan either way.
+            let kept = std::fs::read_to_string(run_dir.join("plan.json")).unwrap();
+            assert_eq!(
+                kept,
+                std::fs::read_to_string(&plan).unwrap(),
+                "{example} {name}"
+            );
+            runs.push(comparable(&metrics(&run_dir)));
+        }
+        assert!(!runs[0].is_empty());
+        assert_eq!(runs[0], runs[1], "{example}: the plan file ran differently");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A program whose `hf(…)` model cannot fit the device gets `E0504` from `braid run` before
+/// any weight is read: the directory holds only a `config.json`, so reading weights would fail
+/// with a file error instead.
+#[test]
+fn a_model_too_large_for_the_device_is_e0504_before_any_weight_is_read() {
+    let dir = tmp("toolarge");
+    let model = dir.join("big");
+    std::fs::create_dir_all(&model).unwrap();
+    std::fs::write(
+        model.join("config.json"),
+        r#"{"model_type": "llama", "num_hidden_layers": 80, "hidden_size": 8192, "num_attention_heads": 64, "num_key_value_heads": 8, "intermediate_size": 28672, "vocab_size": 128256, "max_position_embeddings": 4096}"#,
+    )
+    .unwrap();
+    let file = dir.join("big.rlhf");
+    std::fs::write(
+        &file,
+        "use std::grpo\nmodel policy = hf(\"big\") { train: adamw(lr: 1e-6) }\ndataset prompts = synthetic::letters(count: 8)\nfn r(s: Sample) -> float { 1.0 }\nrun grpo(policy, prompts, reward: r) { steps: 1, batch: 2, group: 2 }\n",
+    )
+    .unwrap();
+    let run_dir = dir.join("run");
+    let out = run_into(&file, &run_dir);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("E0504"), "{stderr}");
+    assert!(!stderr.contains("safetensors"), "{stderr}");
+    assert!(!run_dir.exists(), "the run started");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -55,6 +55,7 @@ fn run(m: &Model, tok: &Tokenizer, w: &Workload, mode: &SpeculateMode) -> Result
     let options = EngineOptions {
         max_batch: w.max_batch,
         speculate: mode.clone(),
+        first_prompt: 0,
         ..EngineOptions::default()
     };
     let t = Instant::now();

@@ -18,6 +18,9 @@ pub enum Error {
     /// libtorch refused an operation (out of memory, a device error).
     #[error("libtorch: {0}")]
     Torch(#[from] tch::TchError),
+    /// A collective with other ranks failed; when a peer died, the message names it.
+    #[error("{0}")]
+    Dist(#[from] crate::dist::DistError),
 }
 
 /// The runtime's result type.

@@ -71,6 +71,7 @@ fn options(max_batch: usize, speculate: SpeculateMode, draft_len: Option<usize>)
         max_batch,
         speculate,
         draft_len,
+        first_prompt: 0,
     }
 }
 

@@ -515,7 +515,12 @@ pub const CLUSTER_OPTIONS: &[OptionSpec] = &[
         "int",
         "Machines the GPUs are spread over (> 0; divides `gpus`).",
     ),
-    o("cpu", "bool", "Plan for this machine's CPU."),
+    o("cpu", "bool", "Plan for this machine's CPU, one process."),
+    o(
+        "cpus",
+        "int",
+        "Plan for this many CPU processes (ranks) on this machine (> 0); `braid launch --nproc-per-node N` starts them.",
+    ),
 ];
 
 /// Device types known to the cost model.

@@ -32,10 +32,11 @@ impl fmt::Display for ClusterSpecError {
 
 impl std::error::Error for ClusterSpecError {}
 
-const FORM: &str = "expected NODESxDEVICES_PER_NODExDEVICE (e.g. `32x8xH800`) or `cpu`";
+const FORM: &str = "expected NODESxDEVICES_PER_NODExDEVICE (e.g. `32x8xH800`), `cpu` or `NxCPU` (N CPU processes, e.g. `4xcpu`)";
 
 impl ClusterSpec {
-    /// Parses `32x8xH800`, `1x1xH100`, `2X8Xa100-80g` (case-insensitive) or `cpu`.
+    /// Parses `32x8xH800`, `1x1xH100`, `2X8Xa100-80g` (case-insensitive), `cpu` (one CPU
+    /// process) or `4xcpu` (four CPU processes on one machine; `2x4xcpu` on two).
     pub fn parse(text: &str) -> Result<ClusterSpec, ClusterSpecError> {
         let t = text.trim();
         if t.eq_ignore_ascii_case("cpu") {
@@ -50,6 +51,11 @@ impl ClusterSpec {
             return Err(ClusterSpecError(format!("empty cluster spec: {FORM}")));
         }
         let parts: Vec<&str> = t.splitn(3, ['x', 'X']).collect();
+        // `4xcpu`: four CPU processes on one machine.
+        let parts: Vec<&str> = match parts.as_slice() {
+            [n, d] if d.eq_ignore_ascii_case("cpu") => vec!["1", n, d],
+            _ => parts,
+        };
         let [nodes, per_node, device] = parts.as_slice() else {
             return err(FORM.into());
         };
@@ -76,9 +82,6 @@ impl ClusterSpec {
                 known.join(", ")
             ));
         };
-        if kind == DeviceKind::Cpu && (nodes, per_node) != (1, 1) {
-            return err("a CPU cluster is written `cpu` (one process on this machine)".into());
-        }
         Ok(ClusterSpec {
             nodes,
             per_node,
@@ -105,8 +108,11 @@ impl ClusterSpec {
 
 impl fmt::Display for ClusterSpec {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        if self.device == DeviceKind::Cpu {
+        if self.device == DeviceKind::Cpu && self.devices() == 1 {
             return f.write_str("cpu");
+        }
+        if self.device == DeviceKind::Cpu && self.nodes == 1 {
+            return write!(f, "{}xcpu", self.per_node);
         }
         write!(f, "{}x{}x{}", self.nodes, self.per_node, self.device.name())
     }
@@ -133,6 +139,13 @@ mod tests {
             ClusterSpec::parse("2X4Xa100-80g").expect("parses").device,
             DeviceKind::A100
         );
+        let four = ClusterSpec::parse("4xcpu").expect("parses");
+        assert_eq!(
+            (four.nodes, four.per_node, four.device),
+            (1, 4, DeviceKind::Cpu)
+        );
+        assert_eq!(four.to_string(), "4xcpu");
+        assert_eq!(ClusterSpec::parse("2x2xcpu").expect("parses").devices(), 4);
         assert_eq!(
             ClusterSpec::parse("4x8xh200")
                 .expect("parses")
@@ -156,7 +169,6 @@ mod tests {
                 "unknown device `V100`; known devices: H100-80G, H200, H800, A100-80G, cpu",
             ),
             ("2x8x", "unknown device ``"),
-            ("2x2xcpu", "a CPU cluster is written `cpu`"),
             ("99999999x8xH100", "more than this planner models"),
         ];
         for (text, needle) in cases {

@@ -276,7 +276,12 @@ pub fn cluster_of(program: &Program) -> ClusterSpec {
                 device: DeviceKind::parse(gpu).unwrap_or(DeviceKind::H100),
             }
         }
-        Some(Cluster::Cpu) | None => ClusterSpec {
+        Some(Cluster::Cpu { ranks }) => ClusterSpec {
+            nodes: 1,
+            per_node: (*ranks).max(1) as u64,
+            device: DeviceKind::Cpu,
+        },
+        None => ClusterSpec {
             nodes: 1,
             per_node: 1,
             device: DeviceKind::Cpu,

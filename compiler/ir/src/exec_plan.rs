@@ -508,19 +508,19 @@ impl ExecPlan {
                 && m as usize >= models
             {
                 return bad(
-                    format!("plan.graph.nodes.{id}"),
+                    format!("plan.graph (node {id})"),
                     format!("calls model {m}, which does not exist"),
                 );
             }
             if let Op::Next { dataset, count } = n.op {
                 if dataset as usize >= p.datasets.len() {
                     return bad(
-                        format!("plan.graph.nodes.{id}"),
+                        format!("plan.graph (node {id})"),
                         format!("reads dataset {dataset}, which does not exist"),
                     );
                 }
                 if count <= 0 {
-                    return bad(format!("plan.graph.nodes.{id}"), "draws no prompts");
+                    return bad(format!("plan.graph (node {id})"), "draws no prompts");
                 }
             }
             if let Op::Reshard { model, .. } | Op::Offload { model, .. } | Op::Reload { model, .. } =
@@ -528,12 +528,12 @@ impl ExecPlan {
                 && model as usize >= models
             {
                 return bad(
-                    format!("plan.graph.nodes.{id}"),
+                    format!("plan.graph (node {id})"),
                     format!("moves model {model}, which does not exist"),
                 );
             }
             if n.op.is_model_call() {
-                let field = format!("decisions.placements.{id}");
+                let field = format!("decisions.placements.{}", id.0);
                 let Some(pl) = self.decisions.placements.get(&id) else {
                     return bad(field, format!("missing: {} has no placement", n.op.name()));
                 };
@@ -543,18 +543,21 @@ impl ExecPlan {
         let d = &self.decisions;
         for id in d.placements.keys() {
             if !node(*id).is_some_and(|n| n.op.is_model_call()) {
-                return bad(format!("decisions.placements.{id}"), "is not a model call");
+                return bad(
+                    format!("decisions.placements.{}", id.0),
+                    "is not a model call",
+                );
             }
         }
         for (id, pl) in &d.subtask_placements {
-            let field = format!("decisions.subtask_placements.{id}");
+            let field = format!("decisions.subtask_placements.{}", id.0);
             let Some(m) = node(*id).and_then(|n| n.op.model()) else {
                 return bad(field, "is not a model call");
             };
             self.verify_placement(&field, pl, m as usize, devices)?;
         }
         for (id, s) in &d.streams {
-            let field = format!("decisions.streams.{id}");
+            let field = format!("decisions.streams.{}", id.0);
             if node(*id).is_none() {
                 return bad(field, "is not a node of the graph");
             }
@@ -577,7 +580,7 @@ impl ExecPlan {
             }
         }
         for (id, m) in &d.migrations {
-            let field = format!("decisions.migrations.{id}");
+            let field = format!("decisions.migrations.{}", id.0);
             let Some(pl) = d
                 .placements
                 .get(id)
@@ -593,7 +596,7 @@ impl ExecPlan {
             }
         }
         for (id, s) in &d.speculation {
-            let field = format!("decisions.speculation.{id}");
+            let field = format!("decisions.speculation.{}", id.0);
             if !matches!(node(*id).map(|n| &n.op), Some(Op::Generate { .. })) {
                 return bad(field, "is not a generate");
             }
@@ -623,13 +626,13 @@ impl ExecPlan {
             );
             if is_transfer && !d.transfers.contains_key(&id) {
                 return bad(
-                    format!("decisions.transfers.{id}"),
+                    format!("decisions.transfers.{}", id.0),
                     "missing: every reshard, offload and reload node has a transfer plan",
                 );
             }
         }
         for (id, t) in &d.transfers {
-            let field = format!("decisions.transfers.{id}");
+            let field = format!("decisions.transfers.{}", id.0);
             let Some(n) = node(*id) else {
                 return bad(field, "is not a node of the graph");
             };
@@ -645,7 +648,12 @@ impl ExecPlan {
                         return bad(field, "its calls have no placements");
                     };
                     t.plan
-                        .verify(&self.shapes[model as usize], a, b)
+                        .verify(
+                            &self.shapes[model as usize],
+                            self.plan.models[model as usize].head,
+                            a,
+                            b,
+                        )
                         .map_err(|what| PlanError {
                             field: format!("{field}.plan"),
                             what,
@@ -657,7 +665,7 @@ impl ExecPlan {
         }
         let mut trains_reused: BTreeSet<NodeId> = BTreeSet::new();
         for (lp, train) in &d.reused_logprobs {
-            let field = format!("decisions.reused_logprobs.{lp}");
+            let field = format!("decisions.reused_logprobs.{}", lp.0);
             let (
                 Some(Op::Logprobs { model }),
                 Some(Op::Train {

@@ -23,6 +23,7 @@ use braid_cost::cost::ModelShape;
 use serde::{Deserialize, Serialize};
 
 use crate::exec_plan::Placement;
+use crate::settings::Head;
 
 /// The part of a decoder layer a parameter belongs to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -63,8 +64,10 @@ pub enum Param {
         part: LayerPart,
     },
     FinalNorm,
-    /// Absent when the LM head is tied to the embedding.
+    /// A language model's output projection; absent when tied to the embedding.
     LmHead,
+    /// A critic's or reward model's head (`score.weight`, one row per label).
+    Score,
 }
 
 /// How tensor parallelism splits a parameter.
@@ -83,7 +86,7 @@ pub fn dims(shape: &ModelShape, p: Param) -> (u64, u64) {
     let h = shape.hidden;
     match p {
         Param::Embed | Param::LmHead => (shape.vocab, h),
-        Param::FinalNorm => (1, h),
+        Param::FinalNorm | Param::Score => (1, h),
         Param::Layer { part, .. } => match part {
             LayerPart::InputNorm | LayerPart::PostNorm => (1, h),
             LayerPart::Q => (shape.heads * hd, h),
@@ -111,7 +114,7 @@ pub fn split(shape: &ModelShape, p: Param, tp: u64) -> Split {
             units: shape.vocab,
             unit: 1,
         },
-        Param::FinalNorm => Split::Replicated,
+        Param::FinalNorm | Param::Score => Split::Replicated,
         Param::Layer { part, .. } => match part {
             LayerPart::InputNorm | LayerPart::PostNorm => Split::Replicated,
             LayerPart::Q => Split::Dim {
@@ -144,8 +147,8 @@ pub fn split(shape: &ModelShape, p: Param, tp: u64) -> Split {
     }
 }
 
-/// Every parameter of the model, in order.
-pub fn params(shape: &ModelShape) -> Vec<Param> {
+/// Every parameter of the model with head `head`, in order.
+pub fn params(shape: &ModelShape, head: Head) -> Vec<Param> {
     let mut v = vec![Param::Embed];
     for layer in 0..shape.layers as u32 {
         v.extend(
@@ -155,8 +158,10 @@ pub fn params(shape: &ModelShape) -> Vec<Param> {
         );
     }
     v.push(Param::FinalNorm);
-    if !shape.tied_embeddings {
-        v.push(Param::LmHead);
+    match head {
+        Head::Lm if !shape.tied_embeddings => v.push(Param::LmHead),
+        Head::Lm => {}
+        Head::Value | Head::Score => v.push(Param::Score),
     }
     v
 }
@@ -190,7 +195,7 @@ fn stage_holds(shape: &ModelShape, p: Param, stage: u64, pp: u64) -> bool {
     let last = pp.max(1) - 1;
     match p {
         Param::Embed => stage == 0 || (shape.tied_embeddings && stage == last),
-        Param::FinalNorm | Param::LmHead => stage == last,
+        Param::FinalNorm | Param::LmHead | Param::Score => stage == last,
         Param::Layer { layer, .. } => {
             let per = shape.layers / pp.max(1);
             u64::from(layer) / per.max(1) == stage
@@ -202,7 +207,7 @@ fn stage_holds(shape: &ModelShape, p: Param, stage: u64, pp: u64) -> bool {
 pub fn split_dim(p: Param) -> Option<u8> {
     match p {
         Param::Embed | Param::LmHead => Some(0),
-        Param::FinalNorm => None,
+        Param::FinalNorm | Param::Score => None,
         Param::Layer { part, .. } => match part {
             LayerPart::InputNorm | LayerPart::PostNorm => None,
             LayerPart::Q | LayerPart::K | LayerPart::V | LayerPart::Gate | LayerPart::Up => Some(0),
@@ -246,12 +251,13 @@ fn tp_slice(shape: &ModelShape, p: Param, t: u64, tp: u64) -> Slice {
     }
 }
 
-/// The slices `device` holds when the model is laid out as `pl` (empty off the mesh).
-pub fn shard(shape: &ModelShape, pl: &Placement, device: u64) -> Vec<Slice> {
+/// The slices `device` holds when the model (with head `head`) is laid out as `pl` (empty off
+/// the mesh).
+pub fn shard(shape: &ModelShape, head: Head, pl: &Placement, device: u64) -> Vec<Slice> {
     let Some(c) = pl.coords(device) else {
         return Vec::new();
     };
-    params(shape)
+    params(shape, head)
         .into_iter()
         .filter(|p| stage_holds(shape, *p, c.pp, pl.pp))
         .map(|p| tp_slice(shape, p, c.tp, pl.tp))
@@ -282,12 +288,18 @@ fn covers(held: &Slice, dim: Option<u8>, start: u64, end: u64) -> bool {
     held.dim == dim && held.start <= start && end <= held.end
 }
 
-/// The transfer plan that takes a model laid out as `from` to the layout `to`.
-pub fn plan_reshard(shape: &ModelShape, from: &Placement, to: &Placement) -> TransferPlan {
+/// The transfer plan that takes a model (with head `head`) laid out as `from` to the layout
+/// `to`.
+pub fn plan_reshard(
+    shape: &ModelShape,
+    head: Head,
+    from: &Placement,
+    to: &Placement,
+) -> TransferPlan {
     // Per parameter, what each source device holds.
     let mut held: BTreeMap<Param, Vec<(u64, Slice)>> = BTreeMap::new();
     for d in from.devices() {
-        for s in shard(shape, from, d) {
+        for s in shard(shape, head, from, d) {
             held.entry(s.param).or_default().push((d, s));
         }
     }
@@ -295,7 +307,7 @@ pub fn plan_reshard(shape: &ModelShape, from: &Placement, to: &Placement) -> Tra
     // Key: the piece; value: (destinations, devices holding it).
     let mut pieces: BTreeMap<Slice, (Vec<u64>, Vec<u64>)> = BTreeMap::new();
     for d in to.devices() {
-        for need in shard(shape, to, d) {
+        for need in shard(shape, head, to, d) {
             let sources = held.get(&need.param).cloned().unwrap_or_default();
             // Boundaries of the source slices inside the needed range.
             let mut cuts = vec![need.start, need.end];
@@ -376,13 +388,14 @@ impl TransferPlan {
     pub fn verify(
         &self,
         shape: &ModelShape,
+        head: Head,
         from: &Placement,
         to: &Placement,
     ) -> Result<(), String> {
         let mut got: BTreeMap<(u64, Param), Vec<Piece>> = BTreeMap::new();
         for (i, t) in self.transfers.iter().enumerate() {
             let s = &t.slice;
-            if !params(shape).contains(&s.param) {
+            if !params(shape, head).contains(&s.param) {
                 return Err(format!("transfers[{i}]: the model has no {:?}", s.param));
             }
             if s.dim != split_dim(s.param) {
@@ -397,7 +410,7 @@ impl TransferPlan {
                     s.start, s.end
                 ));
             }
-            let sender_holds = shard(shape, from, t.from)
+            let sender_holds = shard(shape, head, from, t.from)
                 .iter()
                 .any(|h| h.param == s.param && covers(h, s.dim, s.start, s.end));
             if !sender_holds {
@@ -416,7 +429,7 @@ impl TransferPlan {
             }
         }
         for d in to.devices() {
-            for need in shard(shape, to, d) {
+            for need in shard(shape, head, to, d) {
                 let mut parts = got.remove(&(d, need.param)).unwrap_or_default();
                 parts.sort_unstable();
                 let (lo, hi) = (need.start, need.end);
@@ -493,16 +506,16 @@ mod tests {
     /// meshes of 4 devices gives each device exactly its new slices.
     #[test]
     fn every_reshard_between_small_layouts_verifies() {
-        for s in [
-            shape(2, 4, 2, false),
-            shape(4, 4, 1, true),
-            shape(2, 2, 2, false),
+        for (s, head) in [
+            (shape(2, 4, 2, false), Head::Lm),
+            (shape(4, 4, 1, true), Head::Lm),
+            (shape(2, 2, 2, false), Head::Value),
         ] {
             let ls = layouts(4);
             for a in &ls {
                 for b in &ls {
-                    let plan = plan_reshard(&s, a, b);
-                    plan.verify(&s, a, b)
+                    let plan = plan_reshard(&s, head, a, b);
+                    plan.verify(&s, head, a, b)
                         .unwrap_or_else(|e| panic!("{a:?} -> {b:?}: {e}"));
                     if a.same_layout(b) {
                         assert!(
@@ -535,13 +548,13 @@ mod tests {
             pp: 1,
             microbatches: 1,
         };
-        let mut plan = plan_reshard(&s, &a, &b);
+        let mut plan = plan_reshard(&s, Head::Lm, &a, &b);
         assert!(plan.bytes_moved(&s, 2) > 0);
         let t = plan.transfers.pop().expect("transfers");
-        assert!(plan.verify(&s, &a, &b).is_err());
+        assert!(plan.verify(&s, Head::Lm, &a, &b).is_err());
         plan.transfers.push(Transfer { from: 3, ..t });
         assert!(
-            plan.verify(&s, &a, &b)
+            plan.verify(&s, Head::Lm, &a, &b)
                 .unwrap_err()
                 .contains("does not hold")
         );
@@ -560,7 +573,7 @@ mod tests {
         };
         let mut q0: Vec<(u64, u64)> = Vec::new();
         for d in 0..4 {
-            for sl in shard(&s, &pl, d) {
+            for sl in shard(&s, Head::Lm, &pl, d) {
                 if sl.param
                     == (Param::Layer {
                         layer: 0,
@@ -574,7 +587,7 @@ mod tests {
         q0.sort_unstable();
         // Layer 0 is on stage 0 (devices 0 and 1), split by heads: rows 0..8 and 8..16.
         assert_eq!(q0, vec![(0, 8), (8, 16)]);
-        let last = shard(&s, &pl, 3);
+        let last = shard(&s, Head::Lm, &pl, 3);
         assert!(last.iter().any(|x| x.param == Param::LmHead));
         assert!(!last.iter().any(|x| x.param == Param::Embed));
     }

@@ -446,8 +446,16 @@ pub struct Eval {
 
 #[derive(Debug, Clone, PartialEq)]
 pub enum Cluster {
-    Cpu,
-    Gpus { gpus: i64, gpu: String, nodes: i64 },
+    /// `cluster { cpu }` (one process) or `cluster { cpus: N }` (N CPU processes, one per rank,
+    /// on this machine).
+    Cpu {
+        ranks: i64,
+    },
+    Gpus {
+        gpus: i64,
+        gpu: String,
+        nodes: i64,
+    },
 }
 
 /// A model-call selector of a schedule pin: `generate`, `logprobs(ref)`. The model is named

@@ -849,6 +849,11 @@ impl Checker<'_> {
         if let Some(e) = opts.entries.get("cpu") {
             cpu = matches!(self.option_value(e, &SigTy::Bool), Some(Value::Bool(true)));
         }
+        let cpus = opts.entries.get("cpus").and_then(|e| {
+            let v = self.option_value(e, &SigTy::Int).and_then(|v| v.as_i64())?;
+            self.range(e, v as f64, v > 0, "> 0");
+            Some((v.max(1), e.span))
+        });
         let gpus = opts.entries.get("gpus").and_then(|e| {
             let v = self.option_value(e, &SigTy::Int).and_then(|v| v.as_i64())?;
             self.range(e, v as f64, v > 0, "> 0");
@@ -884,7 +889,7 @@ impl Checker<'_> {
             }
             Some(s)
         });
-        if cpu {
+        if cpu || cpus.is_some() {
             if let Some((_, span)) = gpus {
                 self.report(
                     err(
@@ -896,7 +901,9 @@ impl Checker<'_> {
                     .with_help("remove `cpu`, or remove the GPU options"),
                 );
             }
-            return Some(Cluster::Cpu);
+            return Some(Cluster::Cpu {
+                ranks: cpus.map_or(1, |c| c.0),
+            });
         }
         let Some((g, gspan)) = gpus else {
             // Without a GPU count or `cpu` the block says nothing the planner can use; an
@@ -905,12 +912,12 @@ impl Checker<'_> {
                 self.report(
                     err(
                         Code::E0308,
-                        "`cluster` needs `gpus: N` or `cpu`",
+                        "`cluster` needs `gpus: N`, `cpus: N` or `cpu`",
                         c.options.span,
                         "no devices given",
                     )
                     .with_help(
-                        "write `cluster { gpus: 8, gpu: \"H100-80G\" }` or `cluster { cpu }`",
+                        "write `cluster { gpus: 8, gpu: \"H100-80G\" }`, `cluster { cpus: 4 }` or `cluster { cpu }`",
                     ),
                 );
             }

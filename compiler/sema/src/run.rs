@@ -908,7 +908,7 @@ impl Checker<'_> {
             .collect();
         let gpus = match &self.program.cluster {
             Some(Cluster::Gpus { gpus, .. }) => Some(*gpus),
-            Some(Cluster::Cpu) => Some(1),
+            Some(Cluster::Cpu { ranks }) => Some(*ranks),
             None => None,
         };
         for pin in &s.pins {

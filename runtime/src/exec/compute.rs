@@ -4,11 +4,57 @@
 use super::*;
 
 impl<'p> Executor<'p> {
-    /// Sequences per forward pass of call `id` over `n` sequences: `n` split into the plan's
-    /// micro-batch count for the call.
+    /// Sequences per forward pass of call `id` over `n` sequences: each data-parallel
+    /// replica's share of `n` split into the plan's micro-batch count for the call.
     pub(super) fn micro_size(&self, id: NodeId, n: usize) -> usize {
-        let mb = self.exec.placement(id).map_or(1, |p| p.microbatches.max(1)) as usize;
-        n.div_ceil(mb).max(1)
+        let (dp, mb) = self.exec.placement(id).map_or((1, 1), |p| {
+            (p.dp.max(1) as usize, p.microbatches.max(1) as usize)
+        });
+        n.div_ceil(dp).div_ceil(mb).max(1)
+    }
+
+    /// Runs inference call `id` (a `logprobs`, `values` or `score` node) on a rollout's
+    /// sequences as planned: each data-parallel replica of its mesh on its block of the
+    /// sequences, in the plan's micro-batches; then every rank gathers every block.
+    pub(super) fn infer_call(
+        &self,
+        id: NodeId,
+        op: &Op,
+        model: u32,
+        seqs: &[Rollout],
+        temperature: f64,
+    ) -> Result<Val> {
+        let micro = self.micro_size(id, seqs.len());
+        if self.comm.is_single() {
+            return self.infer(op, model, seqs, temperature, micro);
+        }
+        let p = *self
+            .exec
+            .placement(id)
+            .ok_or_else(|| Error::invalid("plan", format!("{id} has no placement")))?;
+        let mut rows: Vec<Option<PerSampleOut>> = vec![None; seqs.len()];
+        if let Some(c) = p.coords(self.comm.rank as u64) {
+            let block = comm::sample_block(seqs.len(), p.dp.max(1) as usize, c.dp as usize);
+            let opts = InferOptions {
+                micro_batch: micro,
+                temperature: temperature as f32,
+            };
+            let out = infer_per_sample(
+                self.slots[model as usize].model()?,
+                op,
+                &seqs[block.clone()],
+                &opts,
+            )?;
+            for (i, o) in block.zip(out) {
+                rows[i] = Some(o);
+            }
+        }
+        let rows = stream::gather_rows(&self.comm, rows)?;
+        let rows: Option<Vec<PerSampleOut>> = rows.into_iter().collect();
+        let rows = rows.ok_or_else(|| {
+            Error::invalid("plan", format!("{id}: a replica's results are missing"))
+        })?;
+        Ok(collect_rows(op, rows))
     }
 
     /// Runs a `logprobs`, `values` or `score` node on sequences, `micro` per forward pass.
@@ -27,7 +73,7 @@ impl<'p> Executor<'p> {
         };
         Ok(collect_rows(
             op,
-            infer_per_sample(&slot.model, op, seqs, &opts)?,
+            infer_per_sample(slot.model()?, op, seqs, &opts)?,
         ))
     }
 }

@@ -36,7 +36,7 @@ use tch::{Device, Kind, Tensor};
 
 use crate::error::{Error, Result};
 use crate::exec::data::{Dataset, Record};
-use crate::generation::engine::{EngineOptions, Sample, generate_stream};
+use crate::generation::engine::{EngineOptions, FinishReason, Sample, generate_stream};
 use crate::generation::sampling::SamplingParams;
 use crate::generation::spec::SpeculateMode;
 use crate::models::model::{Head, LoadOptions, Model};
@@ -48,21 +48,26 @@ use crate::training::infer::{self, InferOptions, Rollout};
 use crate::training::loss::{self, Agg, Layout};
 use crate::training::optim::AdamW;
 
+mod comm;
 mod compute;
 pub mod data;
 mod eval;
 mod record;
+mod reshard;
 mod setup;
-mod stream;
+pub(super) mod stream;
 pub mod tensorboard;
 mod train;
 mod values;
 
+use comm::Comm;
+pub use comm::{DistOptions, all_gather_bytes, mesh_groups, prompt_block, stream_pairs};
 use compute::*;
 pub use record::fingerprint;
 use record::*;
 use setup::*;
 use values::*;
+pub use values::{decode_samples, encode_samples};
 
 /// How to run a plan.
 #[derive(Debug, Clone)]
@@ -80,6 +85,8 @@ pub struct RunOptions {
     /// Checkpoint every K steps (the plan's `checkpoint_every` when `None`); 0: only at the end.
     pub checkpoint_every: Option<i64>,
     pub device: Device,
+    /// The world of a multi-process run (`None`: one process).
+    pub dist: Option<DistOptions>,
 }
 
 /// What the executor reports as it goes.
@@ -105,10 +112,13 @@ pub enum Event<'a> {
     },
 }
 
-/// A model of the run.
+/// A model of the run, as this rank holds it.
 struct Slot {
     spec: ModelSpec,
-    model: Model,
+    /// The weights, on the ranks where a call of this model runs (`None` elsewhere).
+    model: Option<Model>,
+    /// Every rank has every model's tokenizer: prompts are encoded and samples decoded
+    /// wherever their values are needed.
     tokenizer: Tokenizer,
     opt: Option<AdamW>,
     /// Optimizer steps over the whole run (for the learning-rate schedule).
@@ -117,12 +127,36 @@ struct Slot {
     replica: Option<Model>,
 }
 
+impl Slot {
+    /// The weights, which a verified plan puts on every rank that runs a call of the model.
+    fn model(&self) -> Result<&Model> {
+        self.model.as_ref().ok_or_else(|| {
+            Error::invalid(
+                format!("model `{}`", self.spec.name),
+                "is not on this rank (the plan runs none of its calls here)",
+            )
+        })
+    }
+
+    fn model_mut(&mut self) -> Result<&mut Model> {
+        let name = self.spec.name.clone();
+        self.model.as_mut().ok_or_else(|| {
+            Error::invalid(
+                format!("model `{name}`"),
+                "is not on this rank (the plan runs none of its calls here)",
+            )
+        })
+    }
+}
+
 /// The executor.
 pub struct Executor<'p> {
     exec: &'p ExecPlan,
     /// `exec.plan`: the graph, models, datasets and settings.
     plan: &'p Plan,
     options: RunOptions,
+    /// This rank and its groups.
+    comm: Comm,
     slots: Vec<Slot>,
     datasets: Vec<Dataset>,
     cursors: Vec<u64>,
@@ -162,6 +196,9 @@ impl<'p> Executor<'p> {
                 continue;
             };
             let inputs = self.plan.graph.inputs(id);
+            if node.op.is_model_call() {
+                self.reloads_before(id)?;
+            }
             let t0 = Instant::now();
             let v = match &node.op {
                 Op::Next { dataset, count } => {
@@ -180,17 +217,20 @@ impl<'p> Executor<'p> {
                     *time.entry("infer").or_default() += stats.infer_seconds;
                     m.insert("time/infer_hidden".into(), stats.hidden_share());
                     if Some(id) == self.main_rollout {
-                        let toks: usize = rollout.lengths().iter().sum();
-                        m.insert(
-                            "tokens_per_s".into(),
-                            toks as f64 / stats.gen_seconds.max(1e-9),
-                        );
+                        // This rank's own generation (summed over ranks into the step's).
+                        if stats.gen_seconds > 0.0 {
+                            m.insert(
+                                "tokens_per_s".into(),
+                                stats.tokens as f64 / stats.gen_seconds.max(1e-9),
+                            );
+                        }
                         lengths = rollout.lengths();
                     }
                     for (n, v) in streamed {
                         vals.insert(n, v);
                     }
                     vals.insert(id, Val::Rollout(rollout));
+                    self.transfers_after(id)?;
                     continue;
                 }
                 Op::Logprobs { .. } if self.reused.contains(&id) => {
@@ -200,8 +240,7 @@ impl<'p> Executor<'p> {
                 Op::Logprobs { model } | Op::Values { model } | Op::Score { model } => {
                     let r = rollout_of(&vals, inputs.first())?;
                     let seqs: Vec<Rollout> = r.samples.iter().map(|s| s.rollout.clone()).collect();
-                    let micro = self.micro_size(id, seqs.len());
-                    let v = self.infer(&node.op, *model, &seqs, r.temperature, micro)?;
+                    let v = self.infer_call(id, &node.op, *model, &seqs, r.temperature)?;
                     *time.entry("infer").or_default() += t0.elapsed().as_secs_f64();
                     v
                 }
@@ -255,22 +294,9 @@ impl<'p> Executor<'p> {
                     }
                     Val::Loss(terms)
                 }
-                // The runtime runs a plan on one device, where every layout is the same
-                // placement: a reshard moves nothing.
-                Op::Reshard { .. } => Val::Unit,
-                // A frozen model the planner moves out of device memory between its calls:
-                // to pinned host memory and back on a GPU; on the CPU its weights are in host
-                // memory already.
-                Op::Offload { model, .. } => {
-                    self.slots[*model as usize].model.offload()?;
-                    *time.entry("offload").or_default() += t0.elapsed().as_secs_f64();
-                    Val::Unit
-                }
-                Op::Reload { model, .. } => {
-                    self.slots[*model as usize].model.reload()?;
-                    *time.entry("offload").or_default() += t0.elapsed().as_secs_f64();
-                    Val::Unit
-                }
+                // Transfer nodes run right after the call they follow (`transfers_after`),
+                // not where the topological order puts them (they have no data inputs).
+                Op::Reshard { .. } | Op::Offload { .. } | Op::Reload { .. } => Val::Unit,
                 Op::Train {
                     model,
                     epochs,
@@ -284,6 +310,7 @@ impl<'p> Executor<'p> {
                     let per_minibatch = r.samples.len().div_ceil((*minibatches).max(1) as usize);
                     let micro = self.micro_size(id, per_minibatch);
                     let (stats, own_logp) = self.train(
+                        id,
                         *model as usize,
                         &r,
                         &terms,
@@ -310,6 +337,7 @@ impl<'p> Executor<'p> {
                 }
             };
             vals.insert(id, v);
+            self.transfers_after(id)?;
         }
         // Rewards, KL and lengths of the rollout the policy learns from.
         if let Some(Val::PerSample(r)) = self.reward_node.and_then(|n| vals.get(&n)) {

@@ -7,20 +7,34 @@ impl<'p> Executor<'p> {
     /// Loads the trained models' weights of checkpoint `dir` (a `step-N` directory), without
     /// its optimizer state or data cursors: what `braid run --eval-only` evaluates.
     pub fn load_trained(&mut self, dir: &Path) -> Result<()> {
-        for slot in self.slots.iter_mut() {
-            if slot.opt.is_none() {
-                continue;
+        for i in 0..self.slots.len() {
+            if self.slots[i].opt.is_some() {
+                self.load_weights(i, dir)?;
             }
-            let mdir = dir.join("models").join(&slot.spec.name);
-            let loaded = Model::load(
-                &mdir,
-                &LoadOptions {
-                    head: slot.model.head(),
-                    dtype: Some(slot.model.kind()),
-                    device: self.options.device,
-                },
-            )?;
-            copy_weights(&mut slot.model, &loaded)?;
+        }
+        Ok(())
+    }
+
+    /// Copies slot `i`'s weights from checkpoint `dir` into its model (and its replica).
+    fn load_weights(&mut self, i: usize, dir: &Path) -> Result<()> {
+        let device = self.options.device;
+        let slot = &mut self.slots[i];
+        let mdir = dir.join("models").join(&slot.spec.name);
+        let (head, kind) = {
+            let m = slot.model()?;
+            (m.head(), m.kind())
+        };
+        let loaded = Model::load(
+            &mdir,
+            &LoadOptions {
+                head,
+                dtype: Some(kind),
+                device,
+            },
+        )?;
+        copy_weights(slot.model_mut()?, &loaded)?;
+        if let Some(r) = slot.replica.as_mut() {
+            copy_weights(r, &loaded)?;
         }
         Ok(())
     }
@@ -34,30 +48,37 @@ impl<'p> Executor<'p> {
         if state.fingerprint != fingerprint {
             return Err(Error::file(
                 dir.join("state.json"),
-                "the checkpoint was made by a different plan (another program, other run settings, or planned for another target); resume with the run directory's own plan.json",
+                "the checkpoint was made by a different plan (another program, other run settings, or planned for another target or world size); resume with the run directory's own plan.json, in the world it was planned for",
             ));
         }
-        for slot in self.slots.iter_mut() {
-            let Some(opt) = slot.opt.as_mut() else {
+        // Every rank that trains a model loads it and its optimizer state; a rank that only
+        // runs a model's other calls gets its weights from the first reshard after loading
+        // (below).
+        for i in 0..self.slots.len() {
+            if self.slots[i].opt.is_none() {
                 continue;
-            };
-            let mdir = dir.join("models").join(&slot.spec.name);
-            let loaded = Model::load(
-                &mdir,
-                &LoadOptions {
-                    head: slot.model.head(),
-                    dtype: Some(slot.model.kind()),
-                    device: self.options.device,
-                },
-            )?;
-            copy_weights(&mut slot.model, &loaded)?;
-            opt.load(&checkpoint::optimizer_path(&dir, &slot.spec.name))?;
-            if opt.has_masters() {
-                // The weights the run continues from; the model's copy is rounded from them.
-                opt.load_masters(&checkpoint::master_path(&dir, &slot.spec.name))?;
             }
-            if let Some(r) = slot.replica.as_mut() {
-                copy_weights(r, &slot.model)?;
+            self.load_weights(i, &dir)?;
+            let name = self.slots[i].spec.name.clone();
+            if let Some(opt) = self.slots[i].opt.as_mut() {
+                opt.load(&checkpoint::optimizer_path(&dir, &name))?;
+                if opt.has_masters() {
+                    // The weights the run continues from; the model's copy is rounded from
+                    // them (and equals the checkpoint's weights, which are that rounding).
+                    opt.load_masters(&checkpoint::master_path(&dir, &name))?;
+                }
+            }
+        }
+        // Ranks that hold a trained model without training it (its generation, on other
+        // devices) read its weights from the checkpoint too: the same weights the trained
+        // ranks hold.
+        for i in 0..self.slots.len() {
+            if self.slots[i].opt.is_none()
+                && self.slots[i].model.is_some()
+                && self.slots[i].spec.optimizer.is_some()
+                && dir.join("models").join(&self.slots[i].spec.name).exists()
+            {
+                self.load_weights(i, &dir)?;
             }
         }
         for (i, d) in self.plan.datasets.iter().enumerate() {
@@ -67,77 +88,102 @@ impl<'p> Executor<'p> {
         Ok(())
     }
 
-    /// Runs the remaining steps, reporting each; writes checkpoints and `metrics.jsonl`.
+    /// Whether this rank writes the run's files (metrics, TensorBoard, samples, the plan).
+    fn writes(&self) -> bool {
+        self.comm.rank == 0
+    }
+
+    /// Runs the remaining steps, reporting each; writes checkpoints and `metrics.jsonl`. Only
+    /// rank 0 writes the run's files and reports events; every rank runs the steps.
     pub fn run(&mut self, on_event: &mut dyn FnMut(Event<'_>)) -> Result<()> {
-        std::fs::create_dir_all(&self.options.run_dir)
-            .map_err(|e| Error::file(&self.options.run_dir, format!("cannot create: {e}")))?;
+        let result = self.run_steps(on_event);
+        match result {
+            // Every rank ends in order: rank 0 keeps the store until the others are done.
+            Ok(()) => self.comm.shutdown(),
+            Err(e) => Err(e),
+        }
+    }
+
+    fn run_steps(&mut self, on_event: &mut dyn FnMut(Event<'_>)) -> Result<()> {
         let metrics_path = self.options.run_dir.join("metrics.jsonl");
-        checkpoint::truncate_metrics(&metrics_path, self.first_step)?;
         let samples_path = self.options.run_dir.join("samples.jsonl");
-        checkpoint::truncate_metrics(&samples_path, self.first_step)?;
-        checkpoint::write_atomic(
-            &self.options.run_dir.join("plan.txt"),
-            self.plan.graph_text().as_bytes(),
-        )?;
-        checkpoint::write_atomic(
-            &self.options.run_dir.join("plan.json"),
-            self.exec.to_json().as_bytes(),
-        )?;
-        on_event(Event::Start {
-            first_step: self.first_step,
-            total: self.total_steps,
-        });
+        let mut tb = None;
+        if self.writes() {
+            std::fs::create_dir_all(&self.options.run_dir)
+                .map_err(|e| Error::file(&self.options.run_dir, format!("cannot create: {e}")))?;
+            checkpoint::truncate_metrics(&metrics_path, self.first_step)?;
+            checkpoint::truncate_metrics(&samples_path, self.first_step)?;
+            checkpoint::write_atomic(
+                &self.options.run_dir.join("plan.txt"),
+                self.plan.graph_text().as_bytes(),
+            )?;
+            checkpoint::write_atomic(
+                &self.options.run_dir.join("plan.json"),
+                self.exec.to_json().as_bytes(),
+            )?;
+            tb = Some(crate::exec::tensorboard::EventWriter::create(
+                &self.options.run_dir.join("tensorboard"),
+            )?);
+            on_event(Event::Start {
+                first_step: self.first_step,
+                total: self.total_steps,
+            });
+        }
         let every = self
             .options
             .checkpoint_every
             .unwrap_or(self.plan.checkpoint_every)
             .max(0);
         let mut lengths_seen: Vec<usize> = Vec::new();
-        let mut tb = crate::exec::tensorboard::EventWriter::create(
-            &self.options.run_dir.join("tensorboard"),
-        )?;
         if self.first_step == 0 && self.evaluates_at(0) {
             // The policy before training: a line of its own, step 0.
             let metrics = self.evaluate()?;
-            write_metrics(&metrics_path, &mut tb, 0, &metrics)?;
-            on_event(Event::Eval {
-                step: 0,
-                metrics: &metrics,
-            });
+            if let Some(tb) = tb.as_mut() {
+                write_metrics(&metrics_path, tb, 0, &metrics)?;
+                on_event(Event::Eval {
+                    step: 0,
+                    metrics: &metrics,
+                });
+            }
         }
         for step in self.first_step..self.total_steps {
-            let (mut metrics, lengths) = self.step(step)?;
+            let (mine, lengths) = self.step(step)?;
+            let mut metrics = self.gather_metrics(mine)?;
             let evaluated = self.evaluates_at(step + 1);
             if evaluated {
                 metrics.extend(self.evaluate()?);
             }
             lengths_seen.extend(lengths);
-            write_metrics(&metrics_path, &mut tb, step + 1, &metrics)?;
-            for line in &self.last_samples {
-                checkpoint::append_line(&samples_path, &line.to_string())?;
-            }
-            on_event(Event::Step {
-                step: step + 1,
-                total: self.total_steps,
-                metrics: &metrics,
-                samples: &self.last_samples,
-            });
-            if evaluated {
-                on_event(Event::Eval {
+            if let Some(tb) = tb.as_mut() {
+                write_metrics(&metrics_path, tb, step + 1, &metrics)?;
+                for line in &self.last_samples {
+                    checkpoint::append_line(&samples_path, &line.to_string())?;
+                }
+                on_event(Event::Step {
                     step: step + 1,
+                    total: self.total_steps,
                     metrics: &metrics,
+                    samples: &self.last_samples,
                 });
+                if evaluated {
+                    on_event(Event::Eval {
+                        step: step + 1,
+                        metrics: &metrics,
+                    });
+                }
             }
             let done = step + 1;
             if (every > 0 && done % every == 0) || done == self.total_steps {
                 let dir = self.checkpoint(done)?;
-                on_event(Event::Checkpoint {
-                    step: done,
-                    dir: &dir,
-                });
+                if self.writes() {
+                    on_event(Event::Checkpoint {
+                        step: done,
+                        dir: &dir,
+                    });
+                }
             }
         }
-        if !lengths_seen.is_empty() {
+        if self.writes() && !lengths_seen.is_empty() {
             checkpoint::write_atomic(
                 &self.options.run_dir.join("lengths.txt"),
                 length_histogram(&lengths_seen).as_bytes(),
@@ -146,6 +192,43 @@ impl<'p> Executor<'p> {
         Ok(())
     }
 
+    /// The step's metrics on rank 0, from every rank's: a rank reports what it computed (a
+    /// training's metrics on its training ranks, identical there after their reductions;
+    /// generation timings on generating ranks). Times are the slowest rank's, generated tokens
+    /// per second the sum over ranks; every other value is the one the lowest rank reporting
+    /// it has (every rank computes the same reward and KL from the same gathered values).
+    fn gather_metrics(&self, mine: BTreeMap<String, f64>) -> Result<BTreeMap<String, f64>> {
+        if self.comm.is_single() {
+            return Ok(mine);
+        }
+        let bytes =
+            serde_json::to_vec(&mine).map_err(|e| Error::invalid("metrics", e.to_string()))?;
+        let all = self.comm.all_gather_bytes(bytes)?;
+        let mut out: BTreeMap<String, f64> = BTreeMap::new();
+        for part in all {
+            let m: BTreeMap<String, Option<f64>> = serde_json::from_slice(&part)
+                .map_err(|e| Error::invalid("metrics", e.to_string()))?;
+            for (k, v) in m {
+                let v = v.unwrap_or(f64::NAN);
+                match out.get_mut(&k) {
+                    None => {
+                        out.insert(k, v);
+                    }
+                    Some(x) if k.starts_with("time/") && k != "time/infer_hidden" => {
+                        *x = x.max(v);
+                    }
+                    Some(x) if k == "tokens_per_s" => *x += v,
+                    Some(_) => {}
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Writes a checkpoint of every trained model: rank 0 opens a pending checkpoint, the
+    /// first rank training each model writes that model and its optimizer state, and rank 0
+    /// commits it once every rank is done (the run directory must be on a file system every
+    /// rank sees, as on one machine).
     pub(super) fn checkpoint(&self, step: i64) -> Result<PathBuf> {
         let mut cursors = BTreeMap::new();
         for (i, d) in self.plan.datasets.iter().enumerate() {
@@ -158,16 +241,53 @@ impl<'p> Executor<'p> {
             pipeline: self.plan.pipeline.clone(),
             fingerprint: fingerprint(self.exec),
         };
-        let trained: Vec<(&str, &Model, &Tokenizer, &AdamW)> = self
-            .slots
-            .iter()
-            .filter_map(|s| {
-                s.opt
-                    .as_ref()
-                    .map(|o| (s.spec.name.as_str(), &s.model, &s.tokenizer, o))
+        if self.comm.is_single() {
+            let mut trained: Vec<(&str, &Model, &Tokenizer, &AdamW)> = Vec::new();
+            for s in &self.slots {
+                if let Some(o) = &s.opt {
+                    trained.push((s.spec.name.as_str(), s.model()?, &s.tokenizer, o));
+                }
+            }
+            return checkpoint::save(&self.options.run_dir, &state, &trained);
+        }
+        let tmp = checkpoint::pending_dir(&self.options.run_dir, step);
+        if self.writes() {
+            checkpoint::begin(&self.options.run_dir, step)?;
+        }
+        self.comm.barrier()?;
+        for (i, s) in self.slots.iter().enumerate() {
+            if let Some(o) = &s.opt
+                && self.writer_of(i as u32) == Some(self.comm.rank)
+            {
+                checkpoint::write_model(&tmp, &s.spec.name, s.model()?, &s.tokenizer, o)?;
+            }
+        }
+        self.comm.barrier()?;
+        let dir = if self.writes() {
+            checkpoint::commit(&self.options.run_dir, &tmp, &state)?
+        } else {
+            self.options
+                .run_dir
+                .join("checkpoints")
+                .join(format!("step-{step:06}"))
+        };
+        // Nobody runs on before the checkpoint is complete: a kill after this loses no step.
+        self.comm.barrier()?;
+        Ok(dir)
+    }
+
+    /// The rank that writes model `m` into checkpoints: the lowest rank of its trainings'
+    /// meshes.
+    fn writer_of(&self, m: u32) -> Option<usize> {
+        self.plan
+            .graph
+            .node_ids()
+            .into_iter()
+            .filter(|id| {
+                matches!(self.plan.graph.node(*id).map(|n| &n.op), Some(Op::Train { model, .. }) if *model == m)
             })
-            .collect();
-        checkpoint::save(&self.options.run_dir, &state, &trained)
+            .filter_map(|id| self.exec.placement(id).map(|p| p.first as usize))
+            .min()
     }
 
     /// The trained models' final directories (the latest checkpoint's).
@@ -176,10 +296,11 @@ impl<'p> Executor<'p> {
             return Ok(Vec::new());
         };
         Ok(self
-            .slots
+            .plan
+            .models
             .iter()
-            .filter(|s| s.opt.is_some())
-            .map(|s| (s.spec.name.clone(), dir.join("models").join(&s.spec.name)))
+            .filter(|m| m.optimizer.is_some() && dir.join("models").join(&m.name).exists())
+            .map(|m| (m.name.clone(), dir.join("models").join(&m.name)))
             .collect())
     }
 

@@ -8,7 +8,9 @@ impl<'p> Executor<'p> {
     /// Builds the models, loads the data, compiles the kernels, and restores the latest
     /// checkpoint when resuming.
     pub fn new(exec: &'p ExecPlan, options: RunOptions) -> Result<Executor<'p>> {
-        check_world(exec, options.device)?;
+        let world = options.dist.as_ref().map_or(1, |d| d.world.size);
+        let rank = options.dist.as_ref().map_or(0, |d| d.world.rank);
+        check_world(exec, options.device, world)?;
         let plan = &exec.plan;
         crate::device::set_cpu_threads(options.threads);
         let total_steps = options.steps.unwrap_or(plan.steps).min(plan.steps).max(0);
@@ -20,16 +22,26 @@ impl<'p> Executor<'p> {
         for d in &plan.datasets {
             datasets.push(Dataset::load(d, &options.base_dir)?);
         }
-        // Optimizer steps per train node and per model, for the schedules.
+        // Optimizer steps per train node and per model, for the schedules; and which models
+        // this rank holds (those with a call here) and trains (those with a `train` here).
         let mut opt_steps: BTreeMap<u32, i64> = BTreeMap::new();
+        let mut here: BTreeSet<u32> = BTreeSet::new();
+        let mut trains_here: BTreeSet<u32> = BTreeSet::new();
         let reused: BTreeSet<NodeId> = exec.decisions.reused_logprobs.keys().copied().collect();
-        // Models that generate while a streamed consumer runs on the same model: they need a
-        // replica to generate on.
+        // Models that generate while a streamed consumer runs on the same model on this rank:
+        // they need a replica to generate on.
         let mut needs_replica: BTreeSet<u32> = Default::default();
         for id in &order {
             let Some(node) = plan.graph.node(*id) else {
                 continue;
             };
+            let on_rank = |id: NodeId| {
+                exec.placement(id)
+                    .is_some_and(|p| p.devices().contains(&(rank as u64)))
+            };
+            if let (Some(m), true) = (node.op.model(), on_rank(*id)) {
+                here.insert(m);
+            }
             if let Op::Train {
                 model,
                 epochs,
@@ -37,22 +49,26 @@ impl<'p> Executor<'p> {
             } = &node.op
             {
                 *opt_steps.entry(*model).or_default() += epochs * minibatches * total_steps;
+                if on_rank(*id) {
+                    trains_here.insert(*model);
+                }
             }
             if let Op::Generate { model, .. } = &node.op
-                && exec
-                    .streamed(*id)
-                    .iter()
-                    .any(|(c, _)| plan.graph.node(*c).and_then(|n| n.op.model()) == Some(*model))
+                && on_rank(*id)
+                && exec.streamed(*id).iter().any(|(c, _)| {
+                    plan.graph.node(*c).and_then(|n| n.op.model()) == Some(*model) && on_rank(*c)
+                })
             {
                 needs_replica.insert(*model);
             }
         }
         let mut slots = Vec::new();
         for (i, spec) in plan.models.iter().enumerate() {
-            let trained = opt_steps.contains_key(&(i as u32));
+            let slot = i as u32;
             let kind = kind_of(spec)?;
-            let (model, tokenizer, opt) = match (&spec.optimizer, trained) {
-                (Some(c), true) => {
+            let trained = trains_here.contains(&slot);
+            let (model, tokenizer, opt) = match (&spec.optimizer, trained, here.contains(&slot)) {
+                (Some(c), true, true) => {
                     // Mixed precision: the source is read in f32 (its own precision, or more),
                     // those values become the optimizer's f32 masters, and the model computes
                     // on a copy rounded once into its dtype.
@@ -64,46 +80,79 @@ impl<'p> Executor<'p> {
                         let masters = model.convert_keeping_masters(kind)?;
                         AdamW::with_masters(&model, c.clone(), masters)?
                     };
-                    (model, tokenizer, Some(opt))
+                    (Some(model), tokenizer, Some(opt))
                 }
-                (None, true) => {
+                (None, true, _) => {
                     return Err(Error::invalid(
                         format!("model `{}`", spec.name),
                         "is trained but declares no `train:` optimizer",
                     ));
                 }
-                // Frozen models hold their dtype's weights only.
-                _ => {
+                // Frozen models hold their dtype's weights only; a rank without a call of the
+                // model holds only its tokenizer.
+                (_, _, true) => {
                     let (model, tokenizer) =
                         build_model(plan, i, &options.base_dir, options.device, kind)?;
-                    (model, tokenizer, None)
+                    (Some(model), tokenizer, None)
                 }
+                _ => (None, build_tokenizer(plan, i, &options.base_dir)?, None),
             };
             slots.push(Slot {
                 spec: spec.clone(),
                 model,
                 tokenizer,
                 opt,
-                total_opt_steps: opt_steps.get(&(i as u32)).copied().unwrap_or(0),
+                total_opt_steps: opt_steps.get(&slot).copied().unwrap_or(0),
                 replica: None,
             });
         }
         // Every model must understand the policy's tokens: same vocabulary size.
         if let Some(first) = slots.first() {
-            let v = first.model.config().vocab_size;
+            let v = first.tokenizer.vocab_size();
             for s in &slots[1..] {
-                if s.model.config().vocab_size != v {
+                if s.tokenizer.vocab_size() != v {
                     return Err(Error::invalid(
                         format!("model `{}`", s.spec.name),
                         format!(
                             "has a vocabulary of {} tokens but `{}` has {v}; the models of a pipeline must share a tokenizer",
-                            s.model.config().vocab_size,
+                            s.tokenizer.vocab_size(),
                             first.spec.name
                         ),
                     ));
                 }
             }
         }
+        if world > 1 && plan.eval.is_some() {
+            return Err(Error::invalid(
+                "eval",
+                "evaluation during training runs in one process only for now; run without `eval`, or evaluate a checkpoint with `braid run --eval-only`",
+            ));
+        }
+        if let Some(bad) = exec
+            .decisions
+            .placements
+            .iter()
+            .chain(&exec.decisions.subtask_placements)
+            .find(|(_, p)| p.tp > 1 || p.pp > 1)
+        {
+            return Err(Error::invalid(
+                "plan",
+                format!(
+                    "{} runs with tensor parallelism {} and pipeline parallelism {}; this runtime executes data-parallel layouts only (tp 1, pp 1): plan with `place` pins of `tp 1 pp 1`",
+                    bad.0, bad.1.tp, bad.1.pp
+                ),
+            ));
+        }
+        if !exec.decisions.interleave.is_empty() {
+            return Err(Error::invalid(
+                "plan",
+                "interleaves two trainings into one fused pipeline schedule, which this runtime does not execute yet: plan with `fuse off` or without `interleave` pins",
+            ));
+        }
+        let comm = match &options.dist {
+            Some(d) if d.world.size > 1 => Comm::connect(exec, d)?,
+            _ => Comm::single(),
+        };
         let jit = Jit::new().map_err(|e| Error::invalid("jit", e.to_string()))?;
         let mut kernels = BTreeMap::new();
         for id in &order {
@@ -139,6 +188,7 @@ impl<'p> Executor<'p> {
             exec,
             plan,
             options,
+            comm,
             slots,
             datasets,
             cursors: vec![0; plan.datasets.len()],
@@ -155,10 +205,10 @@ impl<'p> Executor<'p> {
             let i = model as usize;
             if ex.slots[i].opt.is_some() {
                 // Generation's copy: the model's dtype only, refreshed after every update.
-                let kind = ex.slots[i].model.kind();
+                let kind = ex.slots[i].model()?.kind();
                 let (mut replica, _) =
                     build_model(plan, i, &ex.options.base_dir, ex.options.device, kind)?;
-                copy_weights(&mut replica, &ex.slots[i].model)?;
+                copy_weights(&mut replica, ex.slots[i].model()?)?;
                 ex.slots[i].replica = Some(replica);
             }
         }
@@ -195,19 +245,20 @@ impl<'p> Executor<'p> {
     }
 }
 
-/// Refuses a plan made for another world: this process is one device (the CPU, or the first
-/// CUDA device), so the plan's cluster must be one device of that kind.
-fn check_world(exec: &ExecPlan, device: Device) -> Result<()> {
+/// Refuses a plan made for another world: one process per device, so the plan's cluster must
+/// have as many devices as the world has processes, of the kind this process has.
+fn check_world(exec: &ExecPlan, device: Device, world: usize) -> Result<()> {
     let c = &exec.cluster;
     let want_cpu = c.device == braid_cost::cost::DeviceKind::Cpu;
     let have_cpu = device == Device::Cpu;
-    if c.devices() != 1 {
+    if c.devices() != world as u64 {
         return Err(Error::invalid(
             "plan",
             format!(
-                "is for {} devices ({c}) but this run is one process on one device; plan it for one device (`--cluster cpu` or `--cluster 1x1x{}`)",
+                "is for {} devices ({c}) but this run has {world} process{} (one per device); launch one per device (`braid launch --nproc-per-node {}`) or plan for this world",
                 c.devices(),
-                c.device.name()
+                if world == 1 { "" } else { "es" },
+                c.devices()
             ),
         ));
     }
@@ -291,6 +342,38 @@ pub(super) fn build_model(
         }
         ModelSource::FrozenOf(_) => Err(Error::invalid(
             format!("model `{}`", spec.name),
+            "is a frozen copy of itself",
+        )),
+    }
+}
+
+/// The tokenizer of a model this rank does not hold: the byte tokenizer of tiny models, or
+/// the one of a Hugging Face directory or GGUF file (no weights are read).
+pub(super) fn build_tokenizer(plan: &Plan, slot: usize, base_dir: &Path) -> Result<Tokenizer> {
+    let mut src = slot;
+    for _ in 0..=plan.models.len() {
+        match &plan.models[src].source {
+            ModelSource::FrozenOf(of) => src = *of as usize,
+            _ => break,
+        }
+    }
+    match &plan.models[src].source {
+        ModelSource::Tiny { .. } => Ok(Tokenizer::bytes()),
+        ModelSource::Hf { dir } => {
+            let path = if Path::new(dir).is_absolute() {
+                PathBuf::from(dir)
+            } else {
+                base_dir.join(dir)
+            };
+            let config = if crate::models::gguf::is_gguf(&path) {
+                crate::models::gguf::GgufFile::open(&path)?.config()?
+            } else {
+                crate::models::config::ModelConfig::from_file(&path.join("config.json"))?
+            };
+            Tokenizer::from_dir(&path, &config)
+        }
+        ModelSource::FrozenOf(_) => Err(Error::invalid(
+            format!("model `{}`", plan.models[slot].name),
             "is a frozen copy of itself",
         )),
     }

@@ -1,11 +1,19 @@
-//! Streaming generation (inter-stage fusion on one machine): the engine generates on one
-//! thread while the inference calls that read the rollout run on micro-batches of finished
-//! samples on this one. On a GPU the two threads also queue their kernels on different CUDA
-//! streams — generation on the default stream, streamed inference on one of c10's pool — so
-//! that the device runs them concurrently instead of one after the other (c10's current stream
-//! is per thread, so the generation thread is not affected).
+//! Streaming generation (inter-stage fusion): the engine generates this rank's block of the
+//! prompts on one thread while the inference calls that read the rollout run on micro-batches
+//! of finished samples on this one. Samples a consumer on another rank needs are sent to it as
+//! they finish (one thread per peer, each with a group of its own), and samples this rank's
+//! consumers need from other ranks arrive the same way (RLHFuse's sample-level inter-stage
+//! fusion, across processes). At the end every rank gathers the whole rollout and every
+//! streamed result.
+//!
+//! On a GPU the streamed inference on this thread queues its kernels on a CUDA stream of its
+//! own (one of c10's pool), while generation uses the default stream, so that the device runs
+//! them concurrently instead of one after the other (c10's current stream is per thread, so
+//! the other threads are not affected).
 
 use super::*;
+use crate::dist::ProcessGroup;
+use comm::{generating_rank, prompt_block, replica_rank, sample_block};
 
 impl<'p> Executor<'p> {
     /// Generates a rollout; the nodes that read it directly run on micro-batches of finished
@@ -66,28 +74,78 @@ impl<'p> Executor<'p> {
             stop_at_eos: true,
         };
         let temperature = f64::from(sampling.logprob_temperature());
-        // The plan's streamed consumers, each with the finished samples it takes per pass.
-        let consumers: Vec<(NodeId, usize)> = self
+        let n = sampling.n;
+        let prompts = prompt_ids.len();
+        let total = prompts * n;
+        let rank = self.comm.rank;
+        let gp = *self
             .exec
-            .streamed(id)
-            .into_iter()
-            .map(|(c, chunk)| (c, chunk.max(1) as usize))
-            .collect();
-        let total = prompt_ids.len() * sampling.n;
+            .placement(id)
+            .ok_or_else(|| Error::invalid("plan", format!("{id} has no placement")))?;
+        // This rank's share of the generation: a block of the prompts, when it is one of the
+        // generation's data-parallel replicas.
+        let mine = gp
+            .coords(rank as u64)
+            .map(|c| prompt_block(prompts, gp.dp as usize, c.dp as usize))
+            .unwrap_or(0..0);
+        // The plan's streamed consumers with a replica on this rank: the block of samples it
+        // takes and the samples per forward pass.
+        let mut consumers: Vec<(NodeId, usize, std::ops::Range<usize>)> = Vec::new();
+        // For each other rank, the samples this one generates that a consumer there needs.
+        let mut dests: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
+        // For each other rank, the samples it generates that a consumer here needs.
+        let mut sources: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
+        for (c, chunk) in self.exec.streamed(id) {
+            let Some(cp) = self.exec.placement(c) else {
+                continue;
+            };
+            let dp = cp.dp.max(1) as usize;
+            for k in 0..dp {
+                let at = replica_rank(cp, k);
+                let block = sample_block(total, dp, k);
+                for s in block.clone() {
+                    let src = generating_rank(&gp, prompts, n, s);
+                    if src == rank && at != rank {
+                        dests.entry(at).or_default().push(s);
+                    }
+                    if at == rank && src != rank {
+                        sources.entry(src).or_default().push(s);
+                    }
+                }
+                if at == rank {
+                    consumers.push((c, chunk.max(1) as usize, block));
+                }
+            }
+        }
+        for v in dests.values_mut().chain(sources.values_mut()) {
+            v.sort_unstable();
+            v.dedup();
+        }
         let threads = self.options.threads;
         let mut stats = GenStats::default();
         let mut samples: Vec<Option<(Sample, Rollout)>> = vec![None; total];
-        // Per consumer: per-sample results, filled as micro-batches finish.
+        // Per consumer here: per-sample results, filled as micro-batches finish.
         let mut partial: BTreeMap<NodeId, Vec<Option<PerSampleOut>>> = consumers
             .iter()
-            .map(|(c, _)| (*c, vec![None; total]))
+            .map(|(c, _, _)| (*c, vec![None; total]))
             .collect();
-        let n = sampling.n;
         let engine = EngineOptions {
             speculate: SpeculateMode::from_plan(&self.exec.speculation(id), &self.options.base_dir),
+            first_prompt: mine.start,
             ..EngineOptions::default()
         };
-        // Split borrows: generation gets the replica (or the model when nothing streams).
+        // The groups the samples travel on, one per direction and peer, each for one thread.
+        let mut send_groups = Vec::new();
+        for &dst in dests.keys() {
+            send_groups.push((dst, self.comm.take_stream(id, rank, dst)?));
+        }
+        let mut recv_groups = Vec::new();
+        for &src in sources.keys() {
+            recv_groups.push((src, self.comm.take_stream(id, src, rank)?));
+        }
+        let streams_here = !consumers.is_empty();
+        // Split borrows: generation gets the replica (or the model when nothing streams on
+        // it here).
         let mut gen_model: Option<&mut Model> = None;
         let mut tok: Option<&Tokenizer> = None;
         let mut others: Vec<(usize, &Model)> = Vec::new();
@@ -100,9 +158,12 @@ impl<'p> Executor<'p> {
             } = s;
             if i == model {
                 tok = Some(tokenizer);
-                // A replica exists only when a streamed consumer runs on this model.
-                match (replica, consumers.is_empty()) {
-                    (Some(r), false) => {
+            }
+            let Some(m) = m.as_mut() else { continue };
+            if i == model && !mine.is_empty() {
+                // A replica exists only when a streamed consumer runs on this model here.
+                match (replica, streams_here) {
+                    (Some(r), true) => {
                         gen_model = Some(r);
                         others.push((i, m));
                     }
@@ -112,49 +173,86 @@ impl<'p> Executor<'p> {
                 others.push((i, m));
             }
         }
-        let (Some(gen_model), Some(tok)) = (gen_model, tok) else {
-            return Err(Error::invalid("plan", "no model to generate with"));
+        let Some(tok) = tok else {
+            return Err(Error::invalid("plan", format!("{id}: no model {model}")));
         };
+        if !mine.is_empty() && gen_model.is_none() {
+            return Err(Error::invalid(
+                "plan",
+                format!("{id}: model {model} is not on rank {rank}"),
+            ));
+        }
         let plan = self.plan;
-        // Streamed inference's own CUDA stream, made current on this thread for the streaming
-        // window (its guard waits for the stream's work when dropped).
-        let infer_stream = match self.options.device {
-            Device::Cuda(i) if !consumers.is_empty() => Some(crate::cuda::Stream::from_pool(i)?),
+        // Streamed inference's own CUDA stream, current on this thread for the streaming window
+        // (the guard waits for the stream's work when it is dropped, after the window).
+        let stream_guard = match self.options.device {
+            Device::Cuda(i) if !consumers.is_empty() => {
+                Some(crate::cuda::Stream::from_pool(i)?.make_current()?)
+            }
             _ => None,
         };
         let t_gen = Instant::now();
-        let (tx, rx) = mpsc::channel::<Result<Sample>>();
-        let result: Result<()> = std::thread::scope(|scope| {
-            let prompts = prompt_ids.clone();
-            let sampling = sampling.clone();
-            let handle = scope.spawn(move || -> f64 {
-                crate::device::set_cpu_threads(threads);
-                let model: &Model = gen_model;
-                match generate_stream(model, tok, prompts, sampling, engine) {
-                    Ok(stream) => {
-                        for item in stream {
-                            if tx.send(item).is_err() {
-                                break;
+        // Every finished sample reaches this thread by one channel: from the generation
+        // thread for this rank's own, from a receiving thread per peer for the others'.
+        let (tx, rx) = mpsc::channel::<Result<(usize, Sample)>>();
+        // Samples this rank generates that other ranks need go to one sending thread per peer.
+        let mut out_tx: BTreeMap<usize, mpsc::Sender<(usize, Arc<Sample>)>> = BTreeMap::new();
+        let result: Result<(Peers, Peers)> = std::thread::scope(|scope| {
+            let mut senders = Vec::new();
+            for (dst, group) in send_groups {
+                let order = dests.get(&dst).cloned().unwrap_or_default();
+                let (stx, srx) = mpsc::channel::<(usize, Arc<Sample>)>();
+                out_tx.insert(dst, stx);
+                senders.push(scope.spawn(move || -> Result<(usize, ProcessGroup)> {
+                    send_samples(&group, &order, srx)?;
+                    Ok((dst, group))
+                }));
+            }
+            let mut receivers = Vec::new();
+            for (src, group) in recv_groups {
+                let order = sources.get(&src).cloned().unwrap_or_default();
+                let tx = tx.clone();
+                receivers.push(scope.spawn(move || -> Result<(usize, ProcessGroup)> {
+                    recv_samples(&group, &order, n, prompts, &tx)?;
+                    Ok((src, group))
+                }));
+            }
+            let generator = gen_model.map(|gm| {
+                let tx = tx.clone();
+                let prompts_part = prompt_ids[mine.clone()].to_vec();
+                let sampling = sampling.clone();
+                let first = mine.start;
+                scope.spawn(move || -> f64 {
+                    crate::device::set_cpu_threads(threads);
+                    let m: &Model = gm;
+                    match generate_stream(m, tok, prompts_part, sampling, engine) {
+                        Ok(stream) => {
+                            for item in stream {
+                                let item = item.map(|mut s| {
+                                    s.prompt_index += first;
+                                    (s.prompt_index * n + s.sample_index, s)
+                                });
+                                if tx.send(item).is_err() {
+                                    break;
+                                }
                             }
                         }
+                        Err(e) => {
+                            let _ = tx.send(Err(e));
+                        }
                     }
-                    Err(e) => {
-                        let _ = tx.send(Err(e));
-                    }
-                }
-                t_gen.elapsed().as_secs_f64()
+                    t_gen.elapsed().as_secs_f64()
+                })
             });
-            // Per consumer, the first sample of its next micro-batch. Micro-batches are runs of
-            // consecutive samples of the rollout, each run as soon as all of its samples have
-            // finished: the same micro-batches the call runs without streaming, so streaming
-            // changes when it computes, never what (whatever the threads' timing).
-            let mut next: Vec<usize> = vec![0; consumers.len()];
+            drop(tx);
+            // Per consumer here, the first sample of its next micro-batch. Micro-batches
+            // are runs of consecutive samples of its block, each run as soon as all of its
+            // samples have finished: the same micro-batches the call runs without
+            // streaming, so streaming changes when it computes, never what (whatever the
+            // threads' timing).
+            let mut next: Vec<usize> = consumers.iter().map(|c| c.2.start).collect();
             let mut finished = vec![false; total];
             let mut outcome: Result<()> = Ok(());
-            let stream_guard = match &infer_stream {
-                Some(s) => Some(s.make_current()?),
-                None => None,
-            };
             let mut run_chunk = |k: usize,
                                  range: std::ops::Range<usize>,
                                  samples: &Vec<Option<(Sample, Rollout)>>,
@@ -163,7 +261,7 @@ impl<'p> Executor<'p> {
                 if range.is_empty() {
                     return Ok(());
                 }
-                let (c, chunk) = consumers[k];
+                let (c, chunk, _) = consumers[k].clone();
                 let t0 = Instant::now();
                 let seqs: Vec<Rollout> = range
                     .clone()
@@ -196,24 +294,34 @@ impl<'p> Executor<'p> {
                 Ok(())
             };
             'receive: for item in rx.iter() {
-                let sample = match item {
+                let (slot, sample) = match item {
                     Ok(s) => s,
                     Err(e) => {
                         outcome = Err(e);
                         break;
                     }
                 };
-                let slot = sample.prompt_index * n + sample.sample_index;
-                let r = Rollout::from_sample(&prompt_ids[sample.prompt_index], &sample);
                 if slot >= samples.len() {
                     continue;
+                }
+                let r = Rollout::from_sample(&prompt_ids[sample.prompt_index], &sample);
+                if mine.contains(&sample.prompt_index) {
+                    let shared = Arc::new(sample.clone());
+                    for (dst, stx) in &out_tx {
+                        if dests
+                            .get(dst)
+                            .is_some_and(|v| v.binary_search(&slot).is_ok())
+                        {
+                            let _ = stx.send((slot, shared.clone()));
+                        }
+                    }
                 }
                 samples[slot] = Some((sample, r));
                 finished[slot] = true;
                 for k in 0..consumers.len() {
-                    let chunk = consumers[k].1;
+                    let (chunk, end) = (consumers[k].1, consumers[k].2.end);
                     loop {
-                        let range = next[k]..(next[k] + chunk).min(total);
+                        let range = next[k]..(next[k] + chunk).min(end);
                         if range.is_empty() || !finished[range.clone()].iter().all(|f| *f) {
                             break;
                         }
@@ -226,22 +334,78 @@ impl<'p> Executor<'p> {
                 }
             }
             drop(rx);
-            drop(stream_guard);
-            let gen_seconds = handle.join().unwrap_or(0.0);
+            // The sending threads end when their samples are sent and their channel closes.
+            out_tx.clear();
+            let gen_seconds = match generator {
+                Some(h) => h
+                    .join()
+                    .map_err(|_| Error::invalid("generation", "the generation thread panicked"))?,
+                None => 0.0,
+            };
             stats.gen_seconds = gen_seconds;
+            let mut sent = Vec::new();
+            for h in senders {
+                let r = h
+                    .join()
+                    .map_err(|_| Error::invalid("generation", "a sending thread panicked"))?;
+                match r {
+                    Ok(g) => sent.push(g),
+                    Err(e) if outcome.is_ok() => outcome = Err(e),
+                    Err(_) => {}
+                }
+            }
+            let mut received = Vec::new();
+            for h in receivers {
+                let r = h
+                    .join()
+                    .map_err(|_| Error::invalid("generation", "a receiving thread panicked"))?;
+                match r {
+                    Ok(g) => received.push(g),
+                    Err(e) if outcome.is_ok() => outcome = Err(e),
+                    Err(_) => {}
+                }
+            }
             outcome?;
-            // When every sample has finished, every micro-batch has run; a rollout that lost
-            // samples is reported below.
-            // Inference is hidden under generation only where a chunk's interval overlaps the
-            // generation thread's (which ends when it has handed over the last sample).
+            // Inference is hidden under generation only where a chunk's interval overlaps
+            // the generation thread's (which ends when it has handed over the last sample).
             stats.hidden_seconds = stats
                 .chunks
                 .iter()
                 .map(|(a, b)| (b.min(gen_seconds) - a).max(0.0))
                 .sum();
-            Ok(())
+            Ok((sent, received))
         });
-        result?;
+        drop(stream_guard);
+        let (sent, received) = result?;
+
+        for (dst, g) in sent {
+            self.comm.put_stream(id, rank, dst, g);
+        }
+        for (src, g) in received {
+            self.comm.put_stream(id, src, rank, g);
+        }
+        // Every rank takes the whole rollout, and every streamed result, from the ranks that
+        // made them.
+        let mine_samples: Vec<(usize, Sample)> = samples
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| match s {
+                Some((sample, _)) if mine.contains(&sample.prompt_index) => {
+                    Some((i, sample.clone()))
+                }
+                _ => None,
+            })
+            .collect();
+        stats.tokens = mine_samples.iter().map(|(_, s)| s.token_ids.len()).sum();
+        let everyone = self.comm.all_gather_bytes(encode_samples(&mine_samples))?;
+        for part in everyone {
+            for (i, sample) in decode_samples(&part)? {
+                if i < total && samples[i].is_none() {
+                    let r = Rollout::from_sample(&prompt_ids[sample.prompt_index], &sample);
+                    samples[i] = Some((sample, r));
+                }
+            }
+        }
         let mut out_samples = Vec::with_capacity(total);
         for (i, s) in samples.into_iter().enumerate() {
             let Some((sample, rollout)) = s else {
@@ -263,9 +427,10 @@ impl<'p> Executor<'p> {
             temperature,
         });
         let mut streamed = Vec::new();
-        for (c, rows) in partial {
-            let rows: Vec<PerSampleOut> = rows.into_iter().flatten().collect();
-            if rows.len() != total {
+        for (c, _) in self.exec.streamed(id) {
+            let rows = partial.remove(&c).unwrap_or_else(|| vec![None; total]);
+            let rows = gather_rows(&self.comm, rows)?;
+            if rows.iter().any(Option::is_none) {
                 return Err(Error::invalid(
                     "plan",
                     format!("{c}: missing streamed results"),
@@ -274,11 +439,137 @@ impl<'p> Executor<'p> {
             let Some(node) = self.plan.graph.node(c) else {
                 continue;
             };
-            streamed.push((c, collect_rows(&node.op, rows)));
+            streamed.push((
+                c,
+                collect_rows(&node.op, rows.into_iter().flatten().collect()),
+            ));
         }
         Ok((rollout, streamed, stats))
     }
 }
+
+/// Sends the samples `order` names (ascending) to the group's other rank, in that order, as
+/// they arrive on `from`: a length, then the completion's token ids. Order on both sides is
+/// the samples' order, so a send never waits for a receive the peer has not reached yet.
+fn send_samples(
+    group: &ProcessGroup,
+    order: &[usize],
+    from: mpsc::Receiver<(usize, Arc<Sample>)>,
+) -> Result<()> {
+    let peer = 1 - group.rank();
+    let mut waiting: BTreeMap<usize, Arc<Sample>> = BTreeMap::new();
+    for &want in order {
+        let sample = loop {
+            if let Some(s) = waiting.remove(&want) {
+                break s;
+            }
+            match from.recv() {
+                Ok((i, s)) => {
+                    waiting.insert(i, s);
+                }
+                // The step failed elsewhere: stop sending.
+                Err(_) => return Ok(()),
+            }
+        };
+        // A header (token count, log-prob count, text bytes, how it finished), then each part
+        // that is not empty: the receiver knows the lengths from the header.
+        let header = Tensor::from_slice(&[
+            sample.token_ids.len() as i64,
+            sample.logprobs.len() as i64,
+            sample.text.len() as i64,
+            finish_code(&sample.finish),
+        ]);
+        group.send(&header, peer, 0)?;
+        if !sample.token_ids.is_empty() {
+            group.send(&Tensor::from_slice(&sample.token_ids), peer, 1)?;
+        }
+        if !sample.logprobs.is_empty() {
+            group.send(&Tensor::from_slice(&sample.logprobs), peer, 2)?;
+        }
+        if !sample.text.is_empty() {
+            group.send(&Tensor::from_slice(sample.text.as_bytes()), peer, 3)?;
+        }
+    }
+    Ok(())
+}
+
+/// Receives the samples `order` names from the group's other rank, in that order, and hands
+/// each to `to` exactly as the generating engine produced it.
+fn recv_samples(
+    group: &ProcessGroup,
+    order: &[usize],
+    n: usize,
+    prompts: usize,
+    to: &mpsc::Sender<Result<(usize, Sample)>>,
+) -> Result<()> {
+    let peer = 1 - group.rank();
+    for &slot in order {
+        let mut header = Tensor::zeros([4], (Kind::Int64, Device::Cpu));
+        group.recv(&mut header, peer, 0)?;
+        let h: Vec<i64> = Vec::<i64>::try_from(&header).map_err(Error::Torch)?;
+        let (ntok, nlp, ntext) = (h[0].max(0), h[1].max(0), h[2].max(0));
+        let mut ids = Tensor::zeros([ntok], (Kind::Int64, Device::Cpu));
+        if ntok > 0 {
+            group.recv(&mut ids, peer, 1)?;
+        }
+        let mut lps = Tensor::zeros([nlp], (Kind::Float, Device::Cpu));
+        if nlp > 0 {
+            group.recv(&mut lps, peer, 2)?;
+        }
+        let mut text = Tensor::zeros([ntext], (Kind::Uint8, Device::Cpu));
+        if ntext > 0 {
+            group.recv(&mut text, peer, 3)?;
+        }
+        let prompt = slot / n.max(1);
+        if prompt >= prompts {
+            return Err(Error::invalid(
+                "generation",
+                format!("sample {slot} is not in the batch"),
+            ));
+        }
+        let text: Vec<u8> = Vec::<u8>::try_from(&text).map_err(Error::Torch)?;
+        let sample = Sample {
+            prompt_index: prompt,
+            sample_index: slot % n.max(1),
+            token_ids: Vec::<i64>::try_from(&ids).map_err(Error::Torch)?,
+            logprobs: Vec::<f32>::try_from(&lps).map_err(Error::Torch)?,
+            text: String::from_utf8(text)
+                .map_err(|e| Error::invalid("generation", format!("a sample's text: {e}")))?,
+            finish: finish_of(h[3]),
+        };
+        if to.send(Ok((slot, sample))).is_err() {
+            return Ok(());
+        }
+    }
+    Ok(())
+}
+
+/// Every rank's results of one consumer merged: each rank holds the samples of its replica.
+pub(super) fn gather_rows(
+    comm: &Comm,
+    rows: Vec<Option<PerSampleOut>>,
+) -> Result<Vec<Option<PerSampleOut>>> {
+    if comm.is_single() {
+        return Ok(rows);
+    }
+    let mine: Vec<(usize, PerSampleOut)> = rows
+        .iter()
+        .enumerate()
+        .filter_map(|(i, r)| r.clone().map(|r| (i, r)))
+        .collect();
+    let mut out = rows;
+    for part in comm.all_gather_bytes(encode_rows(&mine))? {
+        for (i, r) in decode_rows(&part)? {
+            if i < out.len() && out[i].is_none() {
+                out[i] = Some(r);
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Stream groups by peer rank, handed back after their threads end.
+type Peers = Vec<(usize, ProcessGroup)>;
 
 /// A rollout, the streamed consumers' results, and timings.
 pub(super) type Generated = (Arc<RolloutData>, Vec<(NodeId, Val)>, GenStats);
@@ -286,6 +577,8 @@ pub(super) type Generated = (Arc<RolloutData>, Vec<(NodeId, Val)>, GenStats);
 #[derive(Debug, Default)]
 pub(super) struct GenStats {
     pub(super) gen_seconds: f64,
+    /// Tokens this rank generated.
+    pub(super) tokens: usize,
     pub(super) infer_seconds: f64,
     /// Inference time spent while generation was still running.
     pub(super) hidden_seconds: f64,

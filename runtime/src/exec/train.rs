@@ -2,13 +2,21 @@
 //! current outputs with autograd, AdamW steps, and the metrics of the update.
 
 use super::*;
+use comm::sample_block;
+use stream::gather_rows;
 
 impl<'p> Executor<'p> {
     /// Trains a model on a rollout: `epochs` passes, each over `minibatches` optimizer steps,
-    /// each accumulating gradients over micro-batches.
+    /// each accumulating gradients over micro-batches of `micro` sequences. With data
+    /// parallelism (the train's placement has `dp` replicas) every replica of the mesh takes
+    /// its block of each mini-batch, normalises its loss by the whole mini-batch's token and
+    /// sample counts, and the gradients are summed over the replicas before every step: the
+    /// update is the one-process update (up to the order of floating-point additions). Ranks
+    /// outside the mesh only take part in gathering the model's log-probabilities.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn train(
         &mut self,
+        id: NodeId,
         model: usize,
         r: &RolloutData,
         terms: &[LossTerm],
@@ -19,138 +27,190 @@ impl<'p> Executor<'p> {
     ) -> Result<Trained> {
         let n = r.samples.len();
         let mut stats: BTreeMap<String, f64> = BTreeMap::new();
-        if n == 0 {
-            return Ok((stats, None));
-        }
+        let p = *self
+            .exec
+            .placement(id)
+            .ok_or_else(|| Error::invalid("plan", format!("{id} has no placement")))?;
+        let rank = self.comm.rank as u64;
         // The log-probabilities of the first forward pass over each sample, before any update
         // (what a reused `logprobs` node stands for).
         let mut own: Vec<Option<Vec<f32>>> = vec![None; n];
-        let slot = &mut self.slots[model];
-        let head = slot.model.head();
-        let grad_clip = slot.spec.grad_clip;
-        let Some(opt) = slot.opt.as_mut() else {
-            return Err(Error::invalid(
-                format!("model `{}`", slot.spec.name),
-                "is trained but has no optimizer",
-            ));
-        };
-        let per_mb = n.div_ceil(minibatches.max(1) as usize).max(1);
-        let start_step = opt.step;
-        let mut rng = Rng::new(seed);
-        let mut loss_sum = 0.0;
-        let mut norm_sum = 0.0;
-        let mut opt_steps = 0usize;
-        // Optimizer steps that updated the model, and those skipped for non-finite gradients.
-        let mut taken = 0usize;
-        let mut skipped = 0usize;
-        let mut clip_tok = 0.0;
-        let mut ent_tok = 0.0;
-        let mut tokens = 0.0;
-        let mut lr = 0.0;
-        for _ in 0..epochs.max(1) {
-            let mut perm: Vec<usize> = (0..n).collect();
-            rng.shuffle(&mut perm);
-            for mb in perm.chunks(per_mb) {
-                let mb_tokens: usize = mb
-                    .iter()
-                    .map(|&i| r.samples[i].rollout.completion.len())
-                    .sum();
-                let mut mb_loss = 0.0;
-                for chunk in mb.chunks(micro) {
-                    let seqs: Vec<&Rollout> =
-                        chunk.iter().map(|&i| &r.samples[i].rollout).collect();
-                    let lens: Vec<usize> = seqs.iter().map(|s| s.completion.len()).collect();
-                    let t: usize = lens.iter().sum();
-                    if t == 0 {
-                        continue;
-                    }
-                    let layout = layout_for(&lens, mb_tokens, mb.len(), r.max_new_tokens);
-                    let mut out = train_forward(
-                        &slot.model,
-                        &seqs,
-                        r.temperature,
-                        head,
-                        slot.spec.gradient_checkpointing,
-                    )?;
-                    if opt.step == start_step
-                        && let Some(lp) = &out.logp
-                    {
-                        let flat: Vec<f32> = Vec::<f32>::try_from(
-                            lp.detach().to_kind(Kind::Float).to_device(Device::Cpu),
-                        )
-                        .map_err(Error::Torch)?;
-                        let mut at = 0;
-                        for (&i, &l) in chunk.iter().zip(&lens) {
-                            if own[i].is_none() {
-                                own[i] = Some(flat[at..at + l].to_vec());
+        let wants_own = self
+            .exec
+            .decisions
+            .reused_logprobs
+            .values()
+            .any(|t| *t == id);
+        if n == 0 {
+            return Ok((stats, None));
+        }
+        if let Some(coords) = p.coords(rank) {
+            let dp = p.dp.max(1) as usize;
+            let replica = coords.dp as usize;
+            let group = self.comm.mesh(&p)?;
+            let Slot {
+                spec,
+                model: m,
+                opt,
+                replica: gen_copy,
+                total_opt_steps,
+                ..
+            } = &mut self.slots[model];
+            let Some(m) = m.as_ref() else {
+                return Err(Error::invalid(
+                    format!("model `{}`", spec.name),
+                    "is trained on this rank but not built here",
+                ));
+            };
+            let head = m.head();
+            let grad_clip = spec.grad_clip;
+            let Some(opt) = opt.as_mut() else {
+                return Err(Error::invalid(
+                    format!("model `{}`", spec.name),
+                    "is trained but has no optimizer",
+                ));
+            };
+            let per_mb = n.div_ceil(minibatches.max(1) as usize).max(1);
+            let start_step = opt.step;
+            let mut rng = Rng::new(seed);
+            // Sums over this replica's tokens, reduced over the replicas at the end: loss,
+            // clipped tokens, entropy, tokens.
+            let mut local = [0.0f64; 4];
+            let mut norm_sum = 0.0;
+            let mut opt_steps = 0usize;
+            // Optimizer steps that updated the model, and those skipped for non-finite
+            // gradients.
+            let mut taken = 0usize;
+            let mut skipped = 0usize;
+            let mut lr = 0.0;
+            for _ in 0..epochs.max(1) {
+                let mut perm: Vec<usize> = (0..n).collect();
+                rng.shuffle(&mut perm);
+                for mb in perm.chunks(per_mb) {
+                    let mb_tokens: usize = mb
+                        .iter()
+                        .map(|&i| r.samples[i].rollout.completion.len())
+                        .sum();
+                    let part = &mb[sample_block(mb.len(), dp, replica)];
+                    for chunk in part.chunks(micro) {
+                        let seqs: Vec<&Rollout> =
+                            chunk.iter().map(|&i| &r.samples[i].rollout).collect();
+                        let lens: Vec<usize> = seqs.iter().map(|s| s.completion.len()).collect();
+                        let t: usize = lens.iter().sum();
+                        if t == 0 {
+                            continue;
+                        }
+                        let layout = layout_for(&lens, mb_tokens, mb.len(), r.max_new_tokens);
+                        let mut out = train_forward(
+                            m,
+                            &seqs,
+                            r.temperature,
+                            head,
+                            spec.gradient_checkpointing,
+                        )?;
+                        if opt.step == start_step
+                            && let Some(lp) = &out.logp
+                        {
+                            let flat: Vec<f32> = Vec::<f32>::try_from(
+                                lp.detach().to_kind(Kind::Float).to_device(Device::Cpu),
+                            )
+                            .map_err(Error::Torch)?;
+                            let mut at = 0;
+                            for (&i, &l) in chunk.iter().zip(&lens) {
+                                if own[i].is_none() {
+                                    own[i] = Some(flat[at..at + l].to_vec());
+                                }
+                                at += l;
                             }
-                            at += l;
+                        }
+                        let mut total: Option<Tensor> = None;
+                        for term in terms {
+                            let (l, s) = term_loss(term, &out, chunk, &layout)?;
+                            local[1] += s.clip_frac * t as f64;
+                            total = Some(match total {
+                                Some(x) => x + l,
+                                None => l,
+                            });
+                        }
+                        if let Some(total) = total {
+                            local[0] += total.double_value(&[]);
+                            // Times the loss scale for f16 models (1 otherwise); the gradients
+                            // of a bf16 or f16 model then move into its f32 accumulators.
+                            opt.scale_loss(&total).backward();
+                            if let Some(ck) = out.checkpoint.take() {
+                                // Activation checkpointing: the layers' backward, recomputed.
+                                m.backward_checkpointed(ck)?;
+                            }
+                            opt.accumulate();
+                        }
+                        if let Some(e) = &out.entropy {
+                            local[2] += e.detach().sum(Kind::Float).double_value(&[]);
+                        }
+                        local[3] += t as f64;
+                    }
+                    if let Some(g) = group {
+                        // A bf16 or f16 model's gradients are in its f32 accumulators.
+                        match opt.accumulators() {
+                            Some(acc) => comm::all_reduce_tensors(g, acc)?,
+                            None => comm::all_reduce_gradients(g, &opt.parameters())?,
                         }
                     }
-                    let mut total: Option<Tensor> = None;
-                    for term in terms {
-                        let (l, s) = term_loss(term, &out, chunk, &layout)?;
-                        clip_tok += s.clip_frac * t as f64;
-                        total = Some(match total {
-                            Some(x) => x + l,
-                            None => l,
-                        });
+                    lr = opt.lr_at(opt.step, *total_opt_steps);
+                    let outcome = opt.step(lr, grad_clip);
+                    if outcome.skipped {
+                        skipped += 1;
+                    } else {
+                        norm_sum += outcome.norm;
+                        taken += 1;
                     }
-                    if let Some(total) = total {
-                        mb_loss += total.double_value(&[]);
-                        // Times the loss scale for f16 models (1 otherwise); the gradients of
-                        // a bf16 or f16 model then move into its f32 accumulators.
-                        opt.scale_loss(&total).backward();
-                        if let Some(ck) = out.checkpoint.take() {
-                            // Activation checkpointing: the layers' backward, recomputed.
-                            slot.model.backward_checkpointed(ck)?;
-                        }
-                        opt.accumulate();
-                    }
-                    if let Some(e) = &out.entropy {
-                        ent_tok += e.detach().sum(Kind::Float).double_value(&[]);
-                    }
-                    tokens += t as f64;
+                    opt_steps += 1;
                 }
-                lr = opt.lr_at(opt.step, slot.total_opt_steps);
-                let outcome = opt.step(lr, grad_clip);
-                if outcome.skipped {
-                    skipped += 1;
-                } else {
-                    norm_sum += outcome.norm;
-                    taken += 1;
-                }
-                loss_sum += mb_loss;
-                opt_steps += 1;
+            }
+            if let Some(g) = group {
+                comm::sum(g, &mut local)?;
+            }
+            if let Some(rep) = gen_copy.as_mut() {
+                copy_weights(rep, m)?;
+            }
+            let [loss_sum, clip_tok, ent_tok, tokens] = local;
+            let k = opt_steps.max(1) as f64;
+            stats.insert("loss".into(), loss_sum / k);
+            // The norm of the steps that updated the model: a skipped step's is inf or NaN.
+            if taken > 0 {
+                stats.insert("grad_norm".into(), norm_sum / taken as f64);
+            }
+            stats.insert("skipped_steps".into(), skipped as f64);
+            if m.kind() == Kind::Half {
+                // The scale the next step starts with.
+                stats.insert("loss_scale".into(), opt.loss_scale());
+            }
+            stats.insert("lr".into(), lr);
+            if terms
+                .iter()
+                .any(|t| matches!(t.kind, LossKind::Ppo | LossKind::Grpo))
+            {
+                stats.insert("clip_frac".into(), clip_tok / tokens.max(1.0));
+            }
+            if head == Head::Lm {
+                stats.insert("entropy".into(), ent_tok / tokens.max(1.0));
             }
         }
-        let loss_scale = opt.loss_scale();
-        let model_kind = slot.model.kind();
-        if let Some(rep) = slot.replica.as_mut() {
-            copy_weights(rep, &slot.model)?;
+        if !wants_own {
+            return Ok((stats, None));
         }
-        let k = opt_steps.max(1) as f64;
-        stats.insert("loss".into(), loss_sum / k);
-        // The norm of the steps that updated the model: a skipped step's is inf or NaN.
-        if taken > 0 {
-            stats.insert("grad_norm".into(), norm_sum / taken as f64);
-        }
-        stats.insert("skipped_steps".into(), skipped as f64);
-        if model_kind == Kind::Half {
-            // The scale the next step starts with.
-            stats.insert("loss_scale".into(), loss_scale);
-        }
-        stats.insert("lr".into(), lr);
-        if terms
-            .iter()
-            .any(|t| matches!(t.kind, LossKind::Ppo | LossKind::Grpo))
-        {
-            stats.insert("clip_frac".into(), clip_tok / tokens.max(1.0));
-        }
-        if head == Head::Lm {
-            stats.insert("entropy".into(), ent_tok / tokens.max(1.0));
-        }
-        let own = own.into_iter().collect::<Option<Vec<_>>>();
+        // The reused log-probabilities: every rank takes every replica's.
+        let rows: Vec<Option<PerSampleOut>> = own
+            .into_iter()
+            .map(|o| o.map(PerSampleOut::Tokens))
+            .collect();
+        let rows = gather_rows(&self.comm, rows)?;
+        let own = rows
+            .into_iter()
+            .map(|r| match r {
+                Some(PerSampleOut::Tokens(t)) => Some(t),
+                _ => None,
+            })
+            .collect::<Option<Vec<_>>>();
         Ok((stats, own))
     }
 }

@@ -53,6 +53,11 @@ pub struct EngineOptions {
     /// Forces the draft length of `Auto` and `Draft` at every step instead of choosing it from
     /// measured costs (for tests and reproducible draft-model sampling); `None` by default.
     pub draft_len: Option<usize>,
+    /// The index, in the whole batch, of the first prompt given: a data-parallel replica
+    /// generates a block of a batch's prompts, and each sample's random stream is drawn from
+    /// its index in the whole batch, so that it samples the text one process would (0 by
+    /// default).
+    pub first_prompt: usize,
     /// Where tokens are chosen (default: on a GPU where the model is on one).
     pub sampling: SamplingPlace,
 }
@@ -78,6 +83,7 @@ impl Default for EngineOptions {
             speculate: SpeculateMode::Off,
             draft_len: None,
             sampling: SamplingPlace::Auto,
+            first_prompt: 0,
         }
     }
 }
@@ -531,7 +537,7 @@ impl Generation<'_> {
                 let run = Running {
                     prompt: p,
                     sample: s,
-                    rng: Rng::for_sample(self.params.seed, p, s),
+                    rng: Rng::for_sample(self.params.seed, self.options.first_prompt + p, s),
                     tokens: Vec::new(),
                     logprobs: Vec::new(),
                     budget: self.params.max_new_tokens.min(room),

@@ -136,42 +136,74 @@ fn step_dir_name(step: i64) -> String {
 }
 
 /// Writes a checkpoint of `models` (name, model, tokenizer, optimizer) and `state`; returns its
-/// directory.
+/// directory. One process: [`begin`], [`write_model`] for each, [`commit`].
 pub fn save(
     run_dir: &Path,
     state: &State,
     models: &[(&str, &Model, &Tokenizer, &AdamW)],
 ) -> Result<PathBuf> {
+    let tmp = begin(run_dir, state.step)?;
+    for (name, model, tokenizer, opt) in models {
+        write_model(&tmp, name, model, tokenizer, opt)?;
+    }
+    commit(run_dir, &tmp, state)
+}
+
+/// The temporary directory a checkpoint of `step` is written into (the same name on every
+/// rank of a run, so that several ranks can write one checkpoint), created empty.
+pub fn begin(run_dir: &Path, step: i64) -> Result<PathBuf> {
+    let tmp = pending_dir(run_dir, step);
     let root = run_dir.join("checkpoints");
     fs::create_dir_all(&root).map_err(|e| io(&root, "cannot create", e))?;
-    let final_dir = root.join(step_dir_name(state.step));
-    let tmp = root.join(format!(
-        ".tmp-{}-{}",
-        step_dir_name(state.step),
-        std::process::id()
-    ));
     if tmp.exists() {
         fs::remove_dir_all(&tmp).map_err(|e| io(&tmp, "cannot remove", e))?;
     }
     fs::create_dir_all(tmp.join("optimizer")).map_err(|e| io(&tmp, "cannot create", e))?;
-    for (name, model, tokenizer, opt) in models {
-        save_pretrained(model, tokenizer, &tmp.join("models").join(name))?;
-        opt.save(&optimizer_path(&tmp, name))?;
-        if opt.has_masters() {
-            fs::create_dir_all(tmp.join("master")).map_err(|e| io(&tmp, "cannot create", e))?;
-            opt.save_masters(&master_path(&tmp, name))?;
-        }
+    fs::create_dir_all(tmp.join("models")).map_err(|e| io(&tmp, "cannot create", e))?;
+    Ok(tmp)
+}
+
+/// Where [`begin`] puts the checkpoint of `step` while it is written.
+pub fn pending_dir(run_dir: &Path, step: i64) -> PathBuf {
+    run_dir
+        .join("checkpoints")
+        .join(format!(".tmp-{}", step_dir_name(step)))
+}
+
+/// Writes one trained model (a Hugging Face directory in its dtype), its optimizer state and,
+/// for a bf16 or f16 model, its f32 master weights into a pending checkpoint.
+pub fn write_model(
+    tmp: &Path,
+    name: &str,
+    model: &Model,
+    tokenizer: &Tokenizer,
+    opt: &AdamW,
+) -> Result<()> {
+    save_pretrained(model, tokenizer, &tmp.join("models").join(name))?;
+    opt.save(&optimizer_path(tmp, name))?;
+    if opt.has_masters() {
+        fs::create_dir_all(tmp.join("master")).map_err(|e| io(tmp, "cannot create", e))?;
+        opt.save_masters(&master_path(tmp, name))?;
     }
+    Ok(())
+}
+
+/// Completes a pending checkpoint: `state.json`, every file and directory fsynced, then the
+/// rename into `step-NNNNNN` that makes it visible; older checkpoints beyond [`KEEP`] and
+/// leftovers of killed runs are removed.
+pub fn commit(run_dir: &Path, tmp: &Path, state: &State) -> Result<PathBuf> {
+    let root = run_dir.join("checkpoints");
+    let final_dir = root.join(step_dir_name(state.step));
     let json = serde_json::to_string_pretty(state)
-        .map_err(|e| Error::file(&tmp, format!("cannot serialise state: {e}")))?;
+        .map_err(|e| Error::file(tmp, format!("cannot serialise state: {e}")))?;
     fs::write(tmp.join("state.json"), json + "\n")
         .map_err(|e| io(&tmp.join("state.json"), "cannot write", e))?;
-    sync_tree(&tmp)?;
+    sync_tree(tmp)?;
     if final_dir.exists() {
         // A checkpoint of this step from an earlier attempt: replace it.
         fs::remove_dir_all(&final_dir).map_err(|e| io(&final_dir, "cannot remove", e))?;
     }
-    fs::rename(&tmp, &final_dir).map_err(|e| io(&final_dir, "cannot rename into place", e))?;
+    fs::rename(tmp, &final_dir).map_err(|e| io(&final_dir, "cannot rename into place", e))?;
     sync_dir(&root)?;
     // Older checkpoints beyond KEEP, and temporary directories left by killed runs.
     let mut steps = list(&root)?;

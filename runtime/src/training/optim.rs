@@ -153,6 +153,25 @@ impl AdamW {
         })
     }
 
+    /// The trained parameters (the model's tensors), in a fixed order (shallow copies: the
+    /// same storage, so their gradients are the parameters' own).
+    pub fn parameters(&self) -> Vec<Tensor> {
+        self.params
+            .iter()
+            .map(|p| p.model.shallow_clone())
+            .collect()
+    }
+
+    /// A bf16 or f16 model's f32 gradient accumulators, in the order of `parameters` (what
+    /// data-parallel replicas sum before a step); `None` for an f32 model, whose gradients are
+    /// its parameters' own.
+    pub fn accumulators(&self) -> Option<Vec<Tensor>> {
+        self.params
+            .iter()
+            .map(|p| p.grad.as_ref().map(Tensor::shallow_clone))
+            .collect()
+    }
+
     /// The learning rate of optimizer step `step` (0-based) of `total`.
     pub fn lr_at(&self, step: i64, total: i64) -> f64 {
         lr_at(&self.config, step, total)

@@ -87,7 +87,7 @@ impl Pass for ReshardInsert {
                         bytes,
                         collectives: collectives(pa, pb, bytes),
                         seconds,
-                        plan: plan_reshard(&shape, pa, pb),
+                        plan: plan_reshard(&shape, a.plan.models[model as usize].head, pa, pb),
                         why,
                     },
                 );

@@ -1,0 +1,358 @@
+//! The executor's side of multi-process runs: this process's rank in the plan's cluster, the
+//! process groups the plan needs (created up front, in plan order, by their members only), and
+//! the exchanges a step makes — values gathered onto every rank, gradients all-reduced in
+//! buckets, finished samples streamed from generation ranks to the ranks of their consumers,
+//! parameters sent by reshard transfer plans.
+//!
+//! One process per device (SPMD): every rank runs the same plan and walks the same task graph
+//! in the same order, so every collective is called by the same ranks in the same order. With
+//! one process nothing here talks to anyone: every exchange is the identity.
+//!
+//! Values every node computes are small next to the models (tokens and numbers of a batch), so
+//! after a model call its results are gathered onto every rank, and compute nodes (`fn`
+//! kernels, arithmetic, losses) run on every rank on the same inputs, giving the same outputs.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use braid_ir::exec_plan::{ExecPlan, Placement};
+use braid_ir::graph::{NodeId, Op};
+use tch::{Device, Kind, Tensor};
+
+use crate::dist::{GroupOptions, ProcessGroup, ReduceOp, World};
+use crate::error::{Error, Result};
+
+/// Gradients are all-reduced in buckets of about this many bytes (as PyTorch's DDP does, 25
+/// MB): few enough collectives to amortise their latency, small enough to bound the extra
+/// memory of the flattened bucket.
+pub const BUCKET_BYTES: usize = 25 << 20;
+
+/// How a multi-process run reaches its peers.
+#[derive(Debug, Clone)]
+pub struct DistOptions {
+    pub world: World,
+    /// The longest any collective waits for a peer.
+    pub timeout: Duration,
+}
+
+/// This rank's groups.
+pub(super) struct Comm {
+    pub(super) rank: usize,
+    pub(super) size: usize,
+    world: Option<ProcessGroup>,
+    /// Per member list (global ranks, sorted): the group of the ranks of a model call's mesh.
+    meshes: BTreeMap<Vec<usize>, ProcessGroup>,
+    /// Per (generate, source rank, destination rank): the group of two that carries the
+    /// generation's finished samples from one to the other, used by one thread on each side.
+    streams: BTreeMap<(NodeId, usize, usize), ProcessGroup>,
+}
+
+impl Comm {
+    /// One process: no peers.
+    pub(super) fn single() -> Comm {
+        Comm {
+            rank: 0,
+            size: 1,
+            world: None,
+            meshes: BTreeMap::new(),
+            streams: BTreeMap::new(),
+        }
+    }
+
+    /// Joins the world and creates every group the plan needs, in plan order, each by its
+    /// members only: the mesh of every model call with more than one device, then per
+    /// `generate` the pairs of ranks its streamed samples travel between.
+    pub(super) fn connect(exec: &ExecPlan, dist: &DistOptions) -> Result<Comm> {
+        let w = &dist.world;
+        let world = ProcessGroup::init(w, GroupOptions::gloo(dist.timeout))?;
+        let mut comm = Comm {
+            rank: w.rank,
+            size: w.size,
+            world: None,
+            meshes: BTreeMap::new(),
+            streams: BTreeMap::new(),
+        };
+        for members in mesh_groups(exec) {
+            if members.contains(&comm.rank) {
+                let g = world.subgroup(&members)?;
+                comm.meshes.insert(members, g);
+            }
+        }
+        for (generate, src, dst) in stream_pairs(exec) {
+            if comm.rank == src || comm.rank == dst {
+                let g = world.subgroup(&[src, dst])?;
+                comm.streams.insert((generate, src, dst), g);
+            }
+        }
+        comm.world = Some(world);
+        Ok(comm)
+    }
+
+    pub(super) fn is_single(&self) -> bool {
+        self.size <= 1
+    }
+
+    /// The group of a mesh this rank belongs to (`None` with one device).
+    pub(super) fn mesh(&self, p: &Placement) -> Result<Option<&ProcessGroup>> {
+        if p.count <= 1 {
+            return Ok(None);
+        }
+        let members: Vec<usize> = p.devices().map(|d| d as usize).collect();
+        self.meshes.get(&members).map(Some).ok_or_else(|| {
+            Error::invalid(
+                "plan",
+                format!("rank {} has no group for the mesh {members:?}", self.rank),
+            )
+        })
+    }
+
+    /// Takes the group that carries samples of `generate` from `src` to `dst`, for the thread
+    /// that uses it.
+    pub(super) fn take_stream(
+        &mut self,
+        generate: NodeId,
+        src: usize,
+        dst: usize,
+    ) -> Result<ProcessGroup> {
+        self.streams.remove(&(generate, src, dst)).ok_or_else(|| {
+            Error::invalid(
+                "plan",
+                format!(
+                    "rank {}: no stream group {src} -> {dst} for {generate}",
+                    self.rank
+                ),
+            )
+        })
+    }
+
+    /// Gives a stream group back after its thread ended.
+    pub(super) fn put_stream(&mut self, generate: NodeId, src: usize, dst: usize, g: ProcessGroup) {
+        self.streams.insert((generate, src, dst), g);
+    }
+
+    /// Every rank's `mine`, by rank.
+    pub(super) fn all_gather_bytes(&self, mine: Vec<u8>) -> Result<Vec<Vec<u8>>> {
+        let Some(world) = &self.world else {
+            return Ok(vec![mine]);
+        };
+        all_gather_bytes(world, mine)
+    }
+
+    pub(super) fn barrier(&self) -> Result<()> {
+        if let Some(world) = &self.world {
+            world.barrier()?;
+        }
+        Ok(())
+    }
+
+    /// Sends a tensor to `dst` over the world group (reshards).
+    pub(super) fn send(&self, t: &Tensor, dst: usize) -> Result<()> {
+        match &self.world {
+            Some(w) => Ok(w.send(t, dst, 0)?),
+            None => Err(Error::invalid("plan", "a one-process run sends nothing")),
+        }
+    }
+
+    /// Receives a tensor from `src` over the world group (reshards).
+    pub(super) fn recv(&self, t: &mut Tensor, src: usize) -> Result<()> {
+        match &self.world {
+            Some(w) => Ok(w.recv(t, src, 0)?),
+            None => Err(Error::invalid("plan", "a one-process run receives nothing")),
+        }
+    }
+
+    /// Ends the run in order (every rank).
+    pub(super) fn shutdown(&mut self) -> Result<()> {
+        self.meshes.clear();
+        self.streams.clear();
+        if let Some(world) = self.world.take() {
+            world.shutdown()?;
+        }
+        Ok(())
+    }
+}
+
+/// Every rank's bytes over `group`: their lengths first, then the bytes padded to the longest.
+pub fn all_gather_bytes(group: &ProcessGroup, mine: Vec<u8>) -> Result<Vec<Vec<u8>>> {
+    let n = group.size();
+    let mut lens = Tensor::zeros([n as i64], (Kind::Int64, Device::Cpu));
+    let me = Tensor::from_slice(&[mine.len() as i64]);
+    group.all_gather(&mut lens, &me)?;
+    let lens: Vec<i64> = Vec::<i64>::try_from(&lens).map_err(Error::Torch)?;
+    let longest = lens.iter().copied().max().unwrap_or(0).max(1) as usize;
+    let mut padded = mine;
+    padded.resize(longest, 0);
+    let input = Tensor::from_slice(&padded);
+    let mut out = Tensor::zeros([(n * longest) as i64], (Kind::Uint8, Device::Cpu));
+    group.all_gather(&mut out, &input)?;
+    let all: Vec<u8> = Vec::<u8>::try_from(&out).map_err(Error::Torch)?;
+    Ok((0..n)
+        .map(|r| all[r * longest..r * longest + lens[r].max(0) as usize].to_vec())
+        .collect())
+}
+
+/// Sums `values` over `group`, in place (in f64, so counts stay exact).
+pub(super) fn sum(group: &ProcessGroup, values: &mut [f64]) -> Result<()> {
+    if values.is_empty() {
+        return Ok(());
+    }
+    let mut t = Tensor::from_slice(values);
+    group.all_reduce(&mut t, ReduceOp::Sum)?;
+    let out: Vec<f64> = Vec::<f64>::try_from(&t).map_err(Error::Torch)?;
+    values.copy_from_slice(&out);
+    Ok(())
+}
+
+/// Sums the gradients of `params` over `group` in buckets of about [`BUCKET_BYTES`], in place,
+/// so that every rank of a data-parallel group steps with the whole batch's gradient. A
+/// parameter whose gradient this rank never produced (its shard had no tokens) takes part
+/// with zeros, so that every rank reduces the same list.
+pub(super) fn all_reduce_gradients(group: &ProcessGroup, params: &[Tensor]) -> Result<()> {
+    // Which gradients exist anywhere in the group: a parameter with one on some rank gets a
+    // zero gradient on the others first.
+    let mut defined: Vec<f64> = params
+        .iter()
+        .map(|p| f64::from(u8::from(p.grad().defined())))
+        .collect();
+    sum(group, &mut defined)?;
+    let mut grads = Vec::new();
+    for (p, &d) in params.iter().zip(&defined) {
+        if d == 0.0 {
+            continue;
+        }
+        if !p.grad().defined() {
+            // A zero gradient of the parameter's shape, through autograd (tch has no setter).
+            (p * 0.0).sum(Kind::Float).backward();
+        }
+        grads.push(p.grad());
+    }
+    all_reduce_tensors(group, grads)
+}
+
+/// Sums `tensors` over the group in place, in buckets of about `BUCKET_BYTES` (one coalesced
+/// collective each).
+pub(super) fn all_reduce_tensors(group: &ProcessGroup, tensors: Vec<Tensor>) -> Result<()> {
+    let mut bucket: Vec<Tensor> = Vec::new();
+    let mut bytes = 0usize;
+    for g in tensors {
+        bytes += g.numel() * g.kind().elt_size_in_bytes();
+        bucket.push(g);
+        if bytes >= BUCKET_BYTES {
+            group.all_reduce_coalesced(&mut bucket, ReduceOp::Sum)?;
+            bucket.clear();
+            bytes = 0;
+        }
+    }
+    if !bucket.is_empty() {
+        group.all_reduce_coalesced(&mut bucket, ReduceOp::Sum)?;
+    }
+    Ok(())
+}
+
+/// The member lists of the meshes of the plan's model calls with more than one device, in
+/// plan order (topological), each once.
+pub fn mesh_groups(exec: &ExecPlan) -> Vec<Vec<usize>> {
+    let g = &exec.plan.graph;
+    let mut out: Vec<Vec<usize>> = Vec::new();
+    for id in g.topo_order().unwrap_or_else(|| g.node_ids()) {
+        for p in exec
+            .decisions
+            .placements
+            .get(&id)
+            .into_iter()
+            .chain(exec.decisions.subtask_placements.get(&id))
+        {
+            let members: Vec<usize> = p.devices().map(|d| d as usize).collect();
+            if members.len() > 1 && !out.contains(&members) {
+                out.push(members);
+            }
+        }
+    }
+    out
+}
+
+/// Which rank generates sample `s` of a `generate` on placement `g` with `prompts` prompts of
+/// `n` samples: prompts are split over its data-parallel replicas in contiguous blocks.
+pub fn generating_rank(g: &Placement, prompts: usize, n: usize, s: usize) -> usize {
+    let dp = (g.dp.max(1)) as usize;
+    let per = prompts.div_ceil(dp).max(1);
+    let replica = (s / n.max(1)) / per;
+    g.device_at(braid_ir::exec_plan::Coords {
+        dp: replica.min(dp - 1) as u64,
+        tp: 0,
+        pp: 0,
+    }) as usize
+}
+
+/// The prompts replica `k` of `dp` generates: a contiguous block.
+pub fn prompt_block(prompts: usize, dp: usize, k: usize) -> std::ops::Range<usize> {
+    let per = prompts.div_ceil(dp.max(1)).max(1);
+    (k * per).min(prompts)..((k + 1) * per).min(prompts)
+}
+
+/// The samples replica `k` of `dp` of an inference call (or a train's shard) takes: a
+/// contiguous block.
+pub fn sample_block(samples: usize, dp: usize, k: usize) -> std::ops::Range<usize> {
+    let per = samples.div_ceil(dp.max(1)).max(1);
+    (k * per).min(samples)..((k + 1) * per).min(samples)
+}
+
+/// The rank of replica `k` of a call on placement `p` (tensor and pipeline rank 0).
+pub fn replica_rank(p: &Placement, k: usize) -> usize {
+    p.device_at(braid_ir::exec_plan::Coords {
+        dp: k as u64,
+        tp: 0,
+        pp: 0,
+    }) as usize
+}
+
+/// The size of a generation's batch: prompts drawn by its `next` input, times `n`.
+pub fn generation_size(exec: &ExecPlan, generate: NodeId) -> Option<(usize, usize)> {
+    let g = &exec.plan.graph;
+    let Some(Op::Generate { params, .. }) = g.node(generate).map(|n| &n.op) else {
+        return None;
+    };
+    let prompts = g
+        .inputs(generate)
+        .first()
+        .and_then(|p| match g.node(*p).map(|n| &n.op) {
+            Some(Op::Next { count, .. }) => Some(*count as usize),
+            _ => None,
+        })?;
+    Some((prompts, params.n.max(1) as usize))
+}
+
+/// Per `generate`, the (source, destination) pairs of ranks its streamed samples travel
+/// between: every generating rank to every other rank that runs a streamed consumer's replica
+/// needing one of its samples. In plan order.
+pub fn stream_pairs(exec: &ExecPlan) -> Vec<(NodeId, usize, usize)> {
+    let g = &exec.plan.graph;
+    let mut out = Vec::new();
+    for id in g.topo_order().unwrap_or_else(|| g.node_ids()) {
+        let (Some(gp), Some((prompts, n))) = (exec.placement(id), generation_size(exec, id)) else {
+            continue;
+        };
+        if !matches!(g.node(id).map(|x| &x.op), Some(Op::Generate { .. })) {
+            continue;
+        }
+        let samples = prompts * n;
+        let mut pairs: Vec<(usize, usize)> = Vec::new();
+        for (c, _) in exec.streamed(id) {
+            let Some(cp) = exec.placement(c) else {
+                continue;
+            };
+            for k in 0..cp.dp.max(1) as usize {
+                let dst = replica_rank(cp, k);
+                for s in sample_block(samples, cp.dp.max(1) as usize, k) {
+                    let src = generating_rank(gp, prompts, n, s);
+                    if src != dst && !pairs.contains(&(src, dst)) {
+                        pairs.push((src, dst));
+                    }
+                }
+            }
+        }
+        pairs.sort_unstable();
+        out.extend(pairs.into_iter().map(|(s, d)| (id, s, d)));
+    }
+    out
+}

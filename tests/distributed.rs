@@ -1,0 +1,498 @@
+//! `braid launch … run` end to end on several CPU processes (Gloo over 127.0.0.1, a free port
+//! the launcher picks): data parallelism gives the one-process run's numbers, a consumer on
+//! another rank streams samples across processes, and a rank killed with SIGKILL makes the
+//! others exit naming it, after which `--resume` finishes with no completed step lost. Every
+//! process a test starts is ended by its pid, whatever happens; every wait is bounded.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![cfg(unix)]
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+fn braid() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_braid"))
+}
+
+fn tmp(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("braid-dist-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// The pids of the ranks `braid launch` reported (`rank R pid P`).
+fn rank_pids(stderr: &str) -> Vec<(usize, u32)> {
+    let mut out = Vec::new();
+    for line in stderr.lines().filter(|l| l.starts_with("braid launch:")) {
+        for part in line.split(['(', ',', ')', ';']) {
+            let words: Vec<&str> = part.split_whitespace().collect();
+            if let ["rank", r, "pid", p] = words.as_slice()
+                && let (Ok(r), Ok(p)) = (r.parse(), p.parse())
+            {
+                out.push((r, p));
+            }
+        }
+    }
+    out
+}
+
+/// A launched job whose processes are ended by pid when it is dropped.
+struct Job {
+    child: Child,
+    stderr: Arc<Mutex<String>>,
+}
+
+impl Job {
+    fn start(args: &[&str]) -> Job {
+        let mut child = braid()
+            .args(args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("braid launch starts");
+        let stderr = Arc::new(Mutex::new(String::new()));
+        let pipe = child.stderr.take().unwrap();
+        let sink = stderr.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(pipe).lines().map_while(Result::ok) {
+                let mut s = sink.lock().unwrap();
+                s.push_str(&line);
+                s.push('\n');
+            }
+        });
+        Job { child, stderr }
+    }
+
+    fn stderr(&self) -> String {
+        self.stderr.lock().unwrap().clone()
+    }
+
+    /// Waits for the launcher to exit, at most `limit`.
+    fn wait(&mut self, limit: Duration) -> std::process::ExitStatus {
+        let start = Instant::now();
+        loop {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                // Let the reader thread take the last lines.
+                std::thread::sleep(Duration::from_millis(200));
+                return s;
+            }
+            assert!(
+                start.elapsed() < limit,
+                "the job did not end within {limit:?}:\n{}",
+                self.stderr()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for Job {
+    fn drop(&mut self) {
+        for (_, pid) in rank_pids(&self.stderr()) {
+            let _ = Command::new("kill")
+                .args(["-9", &pid.to_string()])
+                .stderr(Stdio::null())
+                .status();
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// `braid launch --nproc-per-node N run ARGS…` to the end.
+fn launch_run(n: usize, args: &[&str], limit: Duration) -> (bool, String) {
+    let np = n.to_string();
+    let mut all = vec!["launch", "--nproc-per-node", &np, "--grace", "30", "run"];
+    all.extend_from_slice(args);
+    let mut job = Job::start(&all);
+    let status = job.wait(limit);
+    (status.success(), job.stderr())
+}
+
+fn run_one(args: &[&str]) -> Output {
+    braid().arg("run").args(args).output().expect("braid runs")
+}
+
+fn metrics(run_dir: &Path) -> Vec<serde_json::Map<String, serde_json::Value>> {
+    std::fs::read_to_string(run_dir.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .map(|v| v.as_object().unwrap().clone())
+        .collect()
+}
+
+fn num(m: &serde_json::Map<String, serde_json::Value>, k: &str) -> f64 {
+    m.get(k)
+        .and_then(|v| v.as_f64())
+        .unwrap_or_else(|| panic!("no `{k}` in {m:?}"))
+}
+
+/// The tolerance of data parallelism against one process: the same samples and micro-batch
+/// normalisation, summed in another order (per replica, then over the ranks).
+const TOL: f64 = 1e-5;
+
+fn close(a: f64, b: f64) -> bool {
+    (a - b).abs() <= TOL * (1.0 + a.abs().max(b.abs()))
+}
+
+/// The quickstart on 2 ranks, data-parallel in every call, computes what one process does:
+/// the same sampled texts (hence rewards), and losses, gradient norms and KL within `TOL`;
+/// the final checkpoints' weights agree within the same tolerance.
+#[test]
+fn two_ranks_give_the_one_process_metrics() {
+    let dir = tmp("dp");
+    let one = dir.join("one");
+    let two = dir.join("two");
+    let out = run_one(&[
+        "examples/quickstart.rlhf",
+        "--run-dir",
+        one.to_str().unwrap(),
+        "--steps",
+        "4",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let (ok, stderr) = launch_run(
+        2,
+        &[
+            "examples/quickstart.rlhf",
+            "--run-dir",
+            two.to_str().unwrap(),
+            "--steps",
+            "4",
+        ],
+        Duration::from_secs(600),
+    );
+    assert!(ok, "{stderr}");
+    let plan: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(two.join("plan.json")).unwrap()).unwrap();
+    assert_eq!(
+        plan["cluster"]["per_node"], 2,
+        "planned for the world of 2 ranks"
+    );
+    let (a, b) = (metrics(&one), metrics(&two));
+    assert_eq!(a.len(), 4);
+    assert_eq!(b.len(), 4);
+    for (x, y) in a.iter().zip(&b) {
+        for (k, v) in x {
+            if k.starts_with("time/") || k == "tokens_per_s" {
+                continue;
+            }
+            let (p, q) = (v.as_f64().unwrap(), num(y, k));
+            if k == "reward_mean" || k == "reward_std" || k == "response_length" {
+                assert_eq!(p, q, "step {}: {k}", x["step"]);
+            } else {
+                assert!(close(p, q), "step {}: {k}: {p} vs {q}", x["step"]);
+            }
+        }
+    }
+    // The final weights: rank 0 wrote them; one safetensors file each.
+    let read = |d: &Path| {
+        std::fs::read(d.join("checkpoints/step-000004/models/policy/model.safetensors")).unwrap()
+    };
+    let (wa, wb) = (read(&one), read(&two));
+    assert_eq!(wa.len(), wb.len(), "the checkpoints differ in size");
+    let ta = safetensor_floats(&wa);
+    let tb = safetensor_floats(&wb);
+    assert_eq!(ta.len(), tb.len());
+    let worst = ta
+        .iter()
+        .zip(&tb)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0f32, f32::max);
+    assert!(worst < 1e-4, "weights differ by up to {worst}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Every f32 of a safetensors file's tensors, in file order (the header says where data
+/// starts; the test models are f32 throughout).
+fn safetensor_floats(bytes: &[u8]) -> Vec<f32> {
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    bytes[8 + n..]
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect()
+}
+
+/// PPO with generation on rank 0 and the critic and reward model on rank 1 (`place` pins):
+/// the critic's values and the reward model's scores stream from rank 0 to rank 1 sample by
+/// sample under generation, the critic trains on rank 1 and the policy on rank 0, and the
+/// reward rises.
+#[test]
+fn a_consumer_on_another_rank_streams_and_ppo_learns() {
+    let dir = tmp("ppo2");
+    let src = std::fs::read_to_string("examples/ppo_tiny.rlhf").unwrap();
+    let program = format!(
+        "{}\ncluster {{ cpus: 2 }}\n\nschedule {{\n  place generate(policy) on 0..1\n  place logprobs(policy) on 0..1\n  place logprobs(ref) on 0..1\n  place train(policy) on 0..1\n  place values(critic) on 1..2\n  place score(reward_model) on 1..2\n  place train(critic) on 1..2\n}}\n",
+        src.replace("steps: 80", "steps: 40")
+    );
+    // Beside the example, so that its reward model's directory resolves.
+    let file = Path::new("examples").join(format!(".ppo2-{}.rlhf", std::process::id()));
+    std::fs::write(&file, program).unwrap();
+    let run_dir = dir.join("run");
+    let (ok, stderr) = launch_run(
+        2,
+        &[
+            file.to_str().unwrap(),
+            "--run-dir",
+            run_dir.to_str().unwrap(),
+            "--checkpoint-every",
+            "0",
+        ],
+        Duration::from_secs(900),
+    );
+    let _ = std::fs::remove_file(&file);
+    assert!(ok, "{stderr}");
+    let line = stderr
+        .lines()
+        .find(|l| l.starts_with("streaming under generate(policy)"))
+        .unwrap_or_default();
+    assert!(
+        line.contains("values(critic)") && line.contains("score(rm)"),
+        "{stderr}"
+    );
+    let plan: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(run_dir.join("plan.json")).unwrap()).unwrap();
+    // The plan streams to rank 1: the critic's values run there.
+    let placements = &plan["decisions"]["placements"];
+    assert!(
+        placements
+            .as_object()
+            .unwrap()
+            .values()
+            .any(|p| p["first"] == 1),
+        "{placements}"
+    );
+    let m = metrics(&run_dir);
+    assert_eq!(m.len(), 40);
+    let mean = |r: &[serde_json::Map<String, serde_json::Value>]| {
+        r.iter().map(|l| num(l, "reward_mean")).sum::<f64>() / r.len() as f64
+    };
+    let (first, last) = (mean(&m[..5]), mean(&m[35..]));
+    assert!(
+        last > 1.3 * first,
+        "PPO's reward did not rise: {first} → {last}"
+    );
+    assert!(num(&m[39], "critic/loss").is_finite());
+    let ck = run_dir.join("checkpoints/step-000040");
+    assert!(
+        ck.join("models/critic/model.safetensors").exists(),
+        "rank 1 wrote the critic"
+    );
+    assert!(ck.join("models/policy/model.safetensors").exists());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+const SMALL: &str = r#"use std::grpo
+
+model policy = tiny(vocab: "bytes", layers: 1, hidden: 32, heads: 2, seed: 5) {
+  train: adamw(lr: 1e-3)
+}
+
+dataset prompts = synthetic::letters(count: 256, seed: 2)
+
+fn vowels(s: Sample) -> float {
+  count(s.completion, r"[aeiou]") / max(len(s.completion), 1)
+}
+
+run grpo(policy, prompts, reward: vowels) {
+  steps: 30
+  batch: 8
+  group: 2
+  max_new_tokens: 8
+  checkpoint_every: 2
+}
+"#;
+
+/// A rank killed with SIGKILL in the middle of a run makes the other exit non-zero within 60 s
+/// with a message naming the dead rank; every checkpoint left is whole; `--resume` on 2 ranks
+/// then finishes the run with every step recorded once.
+#[test]
+fn a_killed_rank_is_named_and_the_run_resumes() {
+    let dir = tmp("kill");
+    let file = dir.join("small.rlhf");
+    std::fs::write(&file, SMALL).unwrap();
+    let run_dir = dir.join("run");
+    let mut job = Job::start(&[
+        "launch",
+        "--nproc-per-node",
+        "2",
+        "--grace",
+        "60",
+        "run",
+        file.to_str().unwrap(),
+        "--run-dir",
+        run_dir.to_str().unwrap(),
+    ]);
+    let start = Instant::now();
+    loop {
+        let n = std::fs::read_to_string(run_dir.join("metrics.jsonl"))
+            .map(|t| t.lines().count())
+            .unwrap_or(0);
+        if n >= 5 {
+            break;
+        }
+        if let Ok(Some(status)) = job.child.try_wait() {
+            panic!(
+                "the run ended before it could be killed: {status}\n{}",
+                job.stderr()
+            );
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(300),
+            "no progress:\n{}",
+            job.stderr()
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let pids = rank_pids(&job.stderr());
+    let victim = pids.iter().find(|(r, _)| *r == 1).expect("rank 1's pid").1;
+    Command::new("kill")
+        .args(["-9", &victim.to_string()])
+        .status()
+        .unwrap();
+    let killed_at = Instant::now();
+    let status = job.wait(Duration::from_secs(120));
+    let waited = killed_at.elapsed();
+    let stderr = job.stderr();
+    assert!(!status.success(), "{stderr}");
+    assert!(
+        waited < Duration::from_secs(60),
+        "took {waited:?} to stop:\n{stderr}"
+    );
+    // Rank 0 names rank 1 as the dead peer.
+    assert!(
+        stderr
+            .lines()
+            .any(|l| l.starts_with("error: rank 0:") && l.contains("rank 1") && l.contains("dead")),
+        "{stderr}"
+    );
+    drop(job);
+    let recorded = metrics(&run_dir).len();
+    for entry in std::fs::read_dir(run_dir.join("checkpoints")).unwrap() {
+        let p = entry.unwrap().path();
+        if p.file_name()
+            .unwrap()
+            .to_string_lossy()
+            .starts_with("step-")
+        {
+            assert!(
+                p.join("state.json").exists(),
+                "{} is incomplete",
+                p.display()
+            );
+        }
+    }
+    let (ok, stderr) = launch_run(
+        2,
+        &["--resume", run_dir.to_str().unwrap()],
+        Duration::from_secs(600),
+    );
+    assert!(ok, "{stderr}");
+    assert!(stderr.contains("resuming"), "{stderr}");
+    let m = metrics(&run_dir);
+    let steps: Vec<f64> = m.iter().map(|l| num(l, "step")).collect();
+    assert_eq!(
+        steps,
+        (1..=30).map(f64::from).collect::<Vec<_>>(),
+        "steps lost or repeated"
+    );
+    assert!(recorded >= 5);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A program that declares its cluster is planned for it: launched into a world of another
+/// size, every rank refuses before any work, saying why; and one process refuses it too.
+#[test]
+fn a_world_that_does_not_match_the_declared_cluster_is_refused() {
+    let dir = tmp("mismatch");
+    let file = dir.join("four.rlhf");
+    std::fs::write(&file, format!("{SMALL}\ncluster {{ cpus: 4 }}\n")).unwrap();
+    let run_dir = dir.join("run");
+    let (ok, stderr) = launch_run(
+        2,
+        &[
+            file.to_str().unwrap(),
+            "--run-dir",
+            run_dir.to_str().unwrap(),
+        ],
+        Duration::from_secs(300),
+    );
+    assert!(!ok, "{stderr}");
+    assert!(
+        stderr.contains("is for 4 devices (4xcpu) but this run has 2 processes"),
+        "{stderr}"
+    );
+    assert!(!run_dir.join("metrics.jsonl").exists());
+    let out = run_one(&[
+        file.to_str().unwrap(),
+        "--run-dir",
+        run_dir.to_str().unwrap(),
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("this run has 1 process"));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `braid generate` under `braid launch`: each rank generates a block of the prompts and rank
+/// 0 prints them all (ordered by prompt and sample), in the form and with the texts one
+/// process gives.
+#[test]
+fn generate_on_two_ranks_prints_what_one_process_does() {
+    let dir = tmp("generate");
+    let prompts = dir.join("p.jsonl");
+    std::fs::write(&prompts, "\"one\"\n\"two prompts\"\n\"three\"\n").unwrap();
+    let args = [
+        "generate",
+        "--model",
+        "tiny",
+        "--prompts",
+        prompts.to_str().unwrap(),
+        "--n",
+        "2",
+        "--max-new-tokens",
+        "12",
+        "--seed",
+        "9",
+        "--format",
+        "json",
+    ];
+    let one = braid().args(args).output().unwrap();
+    assert!(
+        one.status.success(),
+        "{}",
+        String::from_utf8_lossy(&one.stderr)
+    );
+    let mut all = vec!["launch", "--nproc-per-node", "2", "--grace", "30"];
+    all.extend_from_slice(&args);
+    let two = braid().args(&all).output().unwrap();
+    let stderr = String::from_utf8_lossy(&two.stderr).into_owned();
+    // End the ranks whatever happened.
+    for (_, pid) in rank_pids(&stderr) {
+        let _ = Command::new("kill")
+            .args(["-9", &pid.to_string()])
+            .stderr(Stdio::null())
+            .status();
+    }
+    assert!(two.status.success(), "{stderr}");
+    // One process prints samples as they finish; rank 0 prints them by prompt and sample.
+    let sorted = |b: &[u8]| {
+        let mut v: Vec<String> = String::from_utf8_lossy(b)
+            .lines()
+            .map(String::from)
+            .collect();
+        v.sort();
+        v
+    };
+    assert_eq!(sorted(&two.stdout), sorted(&one.stdout));
+    assert_eq!(String::from_utf8_lossy(&one.stdout).lines().count(), 6);
+    let _ = std::fs::remove_dir_all(&dir);
+}
