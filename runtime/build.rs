@@ -1,12 +1,32 @@
 //! Sets an rpath to libtorch's `lib/` so this crate's test binaries run without
-//! `LD_LIBRARY_PATH`, and compiles the c10d shim (`csrc/`, `braid_runtime::dist`) against the
-//! same libtorch. torch-sys exports the folder it linked against.
+//! `LD_LIBRARY_PATH`, keeps `libtorch_cuda.so` linked (see `keep_cuda_linked`), and compiles
+//! the C++ shim (`csrc/`: c10d for `braid_runtime::dist`, CUDA streams for `braid_runtime::cuda`)
+//! against the same libtorch. torch-sys exports the folder it linked against.
 use std::path::{Path, PathBuf};
 
 fn main() {
     let lib = libtorch_lib();
     println!("cargo:rustc-link-arg=-Wl,-rpath,{}", lib.display());
+    keep_cuda_linked(&lib);
     compile_c10d_shim(&lib);
+}
+
+/// torch-sys asks for `-ltorch_cuda`, but no code calls into that library directly (its CUDA
+/// kernels and hooks register themselves from static initialisers), so a linker defaulting to
+/// `--as-needed` drops it and a test or example never sees a GPU. `--no-as-needed` around it
+/// keeps it; the root `build.rs` does the same for the `braid` binary. A CPU-only libtorch has
+/// no such library, and then nothing is added.
+fn keep_cuda_linked(lib: &Path) {
+    let has_cuda = lib.join("libtorch_cuda.so").exists();
+    // For `cuda::tests`: whether the backend must be loaded in this build's binaries.
+    println!(
+        "cargo:rustc-env=BRAID_LIBTORCH_HAS_CUDA={}",
+        if has_cuda { 1 } else { 0 }
+    );
+    if has_cuda {
+        println!("cargo:rustc-link-arg=-L{}", lib.display());
+        println!("cargo:rustc-link-arg=-Wl,--no-as-needed,-ltorch_cuda,--as-needed");
+    }
 }
 
 /// The `lib/` folder of the libtorch that torch-sys linked.
@@ -31,6 +51,8 @@ fn compile_c10d_shim(lib: &Path) {
         "csrc/c10d_internal.hpp",
         "csrc/c10d_shim.cpp",
         "csrc/c10d_nccl.cpp",
+        "csrc/cuda_shim.h",
+        "csrc/cuda_shim.cpp",
     ] {
         println!("cargo:rerun-if-changed={file}");
     }
@@ -58,7 +80,10 @@ fn compile_c10d_shim(lib: &Path) {
         .define("_GLIBCXX_USE_CXX11_ABI", cxx11_abi.as_str())
         .define("USE_C10D_GLOO", None)
         .flag_if_supported("-Wno-interference-size")
-        .file("csrc/c10d_shim.cpp");
+        .file("csrc/c10d_shim.cpp")
+        // CUDA streams and allocator statistics: libtorch headers only (c10's device-generic
+        // interfaces), so every build compiles it, with or without CUDA.
+        .file("csrc/cuda_shim.cpp");
     // -isystem: libtorch's headers are not ours to warn about; the shim's own code still is.
     let mut system_includes = vec![
         torch_include.clone(),

@@ -11,9 +11,27 @@ use braid_runtime::dist::{GroupOptions, ProcessGroup, World};
 use braid_runtime::exec::{all_gather_bytes, decode_samples, encode_samples, prompt_block};
 use braid_runtime::generation::spec::SpeculateMode;
 use braid_runtime::{
-    ChatMessage, EngineOptions, Error, Head, LoadOptions, Model, Sample, SamplingParams,
-    TinyConfig, Tokenizer, device, generate, generate_stream, tiny,
+    ChatMessage, EngineOptions, Error, Head, Kind, LoadOptions, Model, Sample, SamplingParams,
+    TinyConfig, Tokenizer, device, generate, generate_stream, tiny_in,
 };
+
+/// `--dtype` of `braid generate`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum DtypeArg {
+    F32,
+    Bf16,
+    F16,
+}
+
+impl DtypeArg {
+    fn kind(self) -> Kind {
+        match self {
+            DtypeArg::F32 => Kind::Float,
+            DtypeArg::Bf16 => Kind::BFloat16,
+            DtypeArg::F16 => Kind::Half,
+        }
+    }
+}
 
 /// Output format of `braid generate`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -78,6 +96,10 @@ pub struct Args {
     /// Output format.
     #[arg(long, value_enum, default_value_t = Format::Text)]
     format: Format,
+    /// Precision the model computes in (also `tiny`'s): default f32 on the CPU; on a GPU the
+    /// checkpoint's dtype, else bf16.
+    #[arg(long, value_enum)]
+    dtype: Option<DtypeArg>,
     /// CPU threads for libtorch.
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     threads: Option<u32>,
@@ -136,17 +158,24 @@ fn read_prompts(path: &Path) -> Result<Vec<String>, Error> {
     Ok(prompts)
 }
 
-fn load(name: &str) -> Result<(Model, Tokenizer), Error> {
+fn load(name: &str, dtype: Option<DtypeArg>) -> Result<(Model, Tokenizer), Error> {
     let device = device::default_device();
+    let dtype = dtype.map(DtypeArg::kind);
     if name == "tiny" {
-        return tiny(&TinyConfig::default(), Head::Lm, device);
+        // As `Model::load` decides for a checkpoint without a dtype: f32 on the CPU, bf16 on a GPU.
+        let kind = dtype.unwrap_or(if device.is_cuda() {
+            Kind::BFloat16
+        } else {
+            Kind::Float
+        });
+        return tiny_in(&TinyConfig::default(), Head::Lm, kind, device);
     }
     let dir = Path::new(name);
     let model = Model::load(
         dir,
         &LoadOptions {
             head: Head::Lm,
-            dtype: None,
+            dtype,
             device,
         },
     )?;
@@ -178,7 +207,7 @@ fn run_inner(args: &Args) -> Result<(), Error> {
         (None, None) => return Err(Error::invalid("--prompt", "give --prompt or --prompts")),
     };
     let params = sampling_params(args);
-    let (model, tokenizer) = load(&args.model)?;
+    let (model, tokenizer) = load(&args.model, args.dtype)?;
     let mut ids = Vec::with_capacity(texts.len());
     for text in &texts {
         ids.push(if args.chat {
@@ -202,8 +231,8 @@ fn run_inner(args: &Args) -> Result<(), Error> {
     let options = EngineOptions {
         max_batch: args.max_batch as usize,
         speculate: args.speculate.clone(),
-        draft_len: None,
         first_prompt: block.start,
+        ..EngineOptions::default()
     };
     let many = texts.len() * args.n as usize > 1;
     let stdout = std::io::stdout();

@@ -371,7 +371,14 @@ fn an_editor_session() {
     let model_options = c.request("textDocument/completion", at(&uri, FIXED, "train:", 0, 2));
     assert_eq!(
         labels(&model_options),
-        ["dtype", "head", "train", "grad_clip", "max_len"]
+        [
+            "dtype",
+            "head",
+            "train",
+            "grad_clip",
+            "max_len",
+            "gradient_checkpointing"
+        ]
     );
     let run_settings = c.request("textDocument/completion", at(&uri, FIXED, "steps:", 0, 0));
     insta::assert_snapshot!("completion_run_settings", labels(&run_settings).join("\n"));

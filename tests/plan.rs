@@ -197,6 +197,66 @@ run ppo(actor, prompts, reward_model: rm, critic: critic) {{
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// The planned memory of `train(policy)` on one H100 by role (`braid plan --format json`), and
+/// its number of micro-batches.
+fn train_memory(program: &str, name: &str) -> (serde_json::Value, u64) {
+    let dir = std::env::temp_dir().join(format!("braid-plan-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("p.rlhf");
+    std::fs::write(&file, program).unwrap();
+    let text = ok(&[
+        "plan",
+        file.to_str().unwrap(),
+        "--cluster",
+        "1x1xH100",
+        "--format",
+        "json",
+    ]);
+    let _ = std::fs::remove_dir_all(&dir);
+    let plan: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let call = plan["calls"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["call"] == "train(policy)")
+        .unwrap_or_else(|| panic!("no train(policy) in {text}"))
+        .clone();
+    let mb = call["placement"]["microbatches"].as_u64().unwrap();
+    (call["memory"].clone(), mb)
+}
+
+/// The plan counts what a model really holds, by role: a trained bf16 model 2 bytes of weights,
+/// 2 + 4 of gradients (the f32 accumulator) and 8 + 4 of optimizer state (the f32 masters) per
+/// parameter; an f32 model 4, 4 and 8; activations take twice bf16's bytes in f32; and
+/// `gradient_checkpointing` keeps each layer's input instead of its activations.
+#[test]
+fn planned_memory_follows_dtype_and_checkpointing() {
+    // Planned without the files: the directory's name is the Qwen2.5-0.5B preset.
+    let base = std::fs::read_to_string("examples/grpo_math.rlhf").unwrap();
+    assert!(base.contains("dtype: bf16"));
+    let (bf16, mb16) = train_memory(&base, "bf16");
+    let (f32, mb32) = train_memory(&base.replace("dtype: bf16", "dtype: f32"), "f32");
+    let (ckpt, mbck) = train_memory(
+        &base.replace("grad_clip: 1.0", "grad_clip: 1.0\n  gradient_checkpointing"),
+        "ckpt",
+    );
+    let get = |m: &serde_json::Value, k: &str| m[k].as_f64().unwrap();
+    let n = get(&bf16, "weights") / 2.0;
+    for (m, per) in [(&bf16, [2.0, 6.0, 12.0]), (&f32, [4.0, 4.0, 8.0])] {
+        for (k, b) in ["weights", "gradients", "optimizer"].iter().zip(per) {
+            assert_eq!(get(m, k), b * n, "{k}: {m}");
+        }
+    }
+    // Activations of the whole mini-batch (per micro-batch × micro-batches).
+    let act = |m: &serde_json::Value, mb: u64| get(m, "activations") * mb as f64;
+    let ratio = act(&f32, mb32) / act(&bf16, mb16);
+    assert!((ratio - 2.0).abs() < 0.01, "f32/bf16 activations {ratio}");
+    assert!(
+        act(&ckpt, mbck) < 0.2 * act(&bf16, mb16),
+        "checkpointed {ckpt} ({mbck} micro-batches) vs {bf16} ({mb16})"
+    );
+}
+
 /// `braid plan FILE --emit PLAN.json` writes the executable plan; `braid plan PLAN.json` shows
 /// it exactly as `braid plan FILE` did; a plan file edited into inconsistency, truncated, or of
 /// another version is refused (exit 1) by `braid plan` and `braid run` with a message naming

@@ -883,6 +883,216 @@ fn smollm2_arith_example_runs_two_steps() {
     }
 }
 
+/// The f32 values of every tensor of a safetensors file (F32 and BF16), by name: the format is
+/// an 8-byte header length, a JSON header of dtypes, shapes and offsets, then the data.
+fn read_safetensors(path: &Path) -> std::collections::BTreeMap<String, Vec<f32>> {
+    let bytes = std::fs::read(path).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let data = &bytes[8 + n..];
+    let mut out = std::collections::BTreeMap::new();
+    for (name, t) in header.as_object().unwrap() {
+        if name == "__metadata__" {
+            continue;
+        }
+        let at = numbers(&t["data_offsets"]);
+        let raw = &data[at[0] as usize..at[1] as usize];
+        let values = match t["dtype"].as_str().unwrap() {
+            "F32" => raw
+                .chunks(4)
+                .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                .collect(),
+            "BF16" => raw
+                .chunks(2)
+                .map(|c| f32::from_bits(u32::from(u16::from_le_bytes([c[0], c[1]])) << 16))
+                .collect(),
+            other => panic!("{}: {name} is {other}", path.display()),
+        };
+        out.insert(name.clone(), values);
+    }
+    out
+}
+
+/// The share of values that differ between two sets of tensors with the same names.
+fn changed_share(
+    a: &std::collections::BTreeMap<String, Vec<f32>>,
+    b: &std::collections::BTreeMap<String, Vec<f32>>,
+) -> f64 {
+    let (mut changed, mut total) = (0usize, 0usize);
+    for (name, x) in a {
+        let y = &b[name];
+        assert_eq!(x.len(), y.len(), "{name}");
+        changed += x.iter().zip(y).filter(|(p, q)| p != q).count();
+        total += x.len();
+    }
+    changed as f64 / total as f64
+}
+
+/// The issue's run: GRPO for 3 steps at lr 1e-5 on the `llama_gqa` fixture. With `dtype:
+/// bf16`, AdamW wrote into bf16 weights and under 1 % of them changed (84 % in f32); with f32
+/// masters as many masters change as f32 weights do. The checkpoint keeps the masters
+/// (`master/policy.safetensors`) next to the Hugging Face directory in bf16, and a resumed
+/// bf16 run continues from the masters: it computes what the uninterrupted run computes. f16
+/// skips and counts the steps whose scaled gradients overflow.
+#[test]
+fn a_bf16_grpo_run_changes_its_parameters_like_f32_and_resumes_exactly() {
+    let dir = tmp("bf16");
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("runtime/tests/fixtures/llama_gqa");
+    let program = |dtype: &str| {
+        format!(
+            r#"use std::grpo
+
+model policy = hf("{}") {{
+  dtype: {dtype}
+  train: adamw(lr: 1e-5)
+}}
+
+dataset prompts = synthetic::letters(count: 64, seed: 2)
+
+fn vowels(s: Sample) -> float {{
+  count(s.completion, r"[aeiou]") / max(len(s.completion), 1)
+}}
+
+run grpo(policy, prompts, reward: vowels) {{
+  steps: 3
+  batch: 4
+  group: 4
+  max_new_tokens: 16
+  checkpoint_every: 1
+}}
+"#,
+            fixture.display()
+        )
+    };
+    let initial = read_safetensors(&fixture.join("model.safetensors"));
+    let mut shares = Vec::new();
+    for dtype in ["f32", "bf16"] {
+        let file = dir.join(format!("{dtype}.rlhf"));
+        std::fs::write(&file, program(dtype)).unwrap();
+        let run_dir = dir.join(dtype);
+        ok(&run_into(&file, &run_dir));
+        let ck = run_dir.join("checkpoints/step-000003");
+        let hf = read_safetensors(&ck.join("models/policy/model.safetensors"));
+        let config: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(ck.join("models/policy/config.json")).unwrap(),
+        )
+        .unwrap();
+        let trained = if dtype == "f32" {
+            assert!(!ck.join("master").exists(), "an f32 model needs no masters");
+            hf
+        } else {
+            assert_eq!(config["torch_dtype"], "bfloat16", "{config}");
+            let masters = read_safetensors(&ck.join("master/policy.safetensors"));
+            // The Hugging Face directory holds the masters rounded to bf16.
+            for (name, m) in &masters {
+                let rounded: Vec<f32> = m
+                    .iter()
+                    .map(|x| {
+                        let b = x.to_bits();
+                        // Round to nearest even, as libtorch converts f32 to bf16.
+                        let r = b + 0x7fff + ((b >> 16) & 1);
+                        f32::from_bits(r & 0xffff_0000)
+                    })
+                    .collect();
+                assert_eq!(&rounded, &hf[name], "{name}");
+            }
+            masters
+        };
+        shares.push(changed_share(&initial, &trained));
+        for line in metrics(&run_dir) {
+            assert_eq!(num(&line, "policy/skipped_steps"), 0.0);
+        }
+    }
+    // f16 with loss scaling. This fixture's gradients exceed 1 (initializer range 0.2), so at
+    // the starting scale of 2^16 they overflow f16's largest value, 65504: the first step is
+    // skipped and counted, the scale halves, and the weights stay exactly the source's.
+    let file = dir.join("f16.rlhf");
+    std::fs::write(&file, program("f16")).unwrap();
+    ok(&run_into(&file, &dir.join("f16")));
+    let m = metrics(&dir.join("f16"));
+    assert_eq!(num(&m[0], "policy/skipped_steps"), 1.0);
+    assert_eq!(num(&m[0], "policy/loss_scale"), 32768.0);
+    assert!(
+        !m[0].contains_key("policy/grad_norm"),
+        "a skipped step has no norm"
+    );
+    let mut scale = 32768.0;
+    for line in &m[1..] {
+        let skipped = num(line, "policy/skipped_steps");
+        if skipped > 0.0 {
+            scale /= 2.0;
+        } else {
+            assert!(num(line, "policy/grad_norm").is_finite());
+        }
+        assert_eq!(num(line, "policy/loss_scale"), scale);
+    }
+    let ck = |step: usize| {
+        dir.join(format!(
+            "f16/checkpoints/step-{step:06}/master/policy.safetensors"
+        ))
+    };
+    assert_eq!(changed_share(&initial, &read_safetensors(&ck(1))), 0.0);
+    assert!(m.iter().any(|l| num(l, "policy/skipped_steps") == 0.0));
+    assert!(changed_share(&initial, &read_safetensors(&ck(3))) > 0.5);
+    let (f32_share, bf16_share) = (shares[0], shares[1]);
+    assert!(f32_share > 0.5, "f32 changed only {f32_share}");
+    assert!(
+        (f32_share - bf16_share).abs() < 0.05,
+        "f32 changed {f32_share:.3} of the parameters, bf16 {bf16_share:.3}"
+    );
+    // Two steps, then a resume to three: the same numbers as the run of three.
+    let file = dir.join("bf16.rlhf");
+    let resumed = dir.join("resumed");
+    let out = braid(&[
+        "run",
+        file.to_str().unwrap(),
+        "--run-dir",
+        resumed.to_str().unwrap(),
+        "--steps",
+        "2",
+    ]);
+    ok(&out);
+    ok(&braid(&["run", "--resume", resumed.to_str().unwrap()]));
+    assert_eq!(
+        comparable(&metrics(&resumed)),
+        comparable(&metrics(&dir.join("bf16"))),
+        "the resumed bf16 run's metrics differ from the uninterrupted run's"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `gradient_checkpointing` changes memory, not results: on the CPU the recomputed layers give
+/// the same gradients to the bit, so a run computes the same metrics with and without it.
+#[test]
+fn gradient_checkpointing_changes_memory_not_results() {
+    let dir = tmp("ckpt");
+    let mut runs = Vec::new();
+    for (name, program) in [
+        ("plain", SMALL.to_string()),
+        (
+            "checkpointed",
+            SMALL.replace(
+                "train: adamw(lr: 1e-3)",
+                "train: adamw(lr: 1e-3)\n  gradient_checkpointing",
+            ),
+        ),
+    ] {
+        let file = dir.join(format!("{name}.rlhf"));
+        std::fs::write(&file, &program).unwrap();
+        let run_dir = dir.join(name);
+        ok(&run_into(&file, &run_dir));
+        let plan: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(run_dir.join("plan.json")).unwrap())
+                .unwrap();
+        let on = plan["plan"]["models"][0]["gradient_checkpointing"] == true;
+        assert_eq!(on, name == "checkpointed", "{}", plan["plan"]["models"]);
+        runs.push(comparable(&metrics(&run_dir)));
+    }
+    assert_eq!(runs[0].len(), 10);
+    assert_eq!(runs[0], runs[1], "checkpointing changed the run's numbers");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// `braid run PLAN.json` runs exactly what `braid run FILE.rlhf` runs: the plan `braid plan
 /// --emit` writes, read back, gives bit-identical metrics (the quickstart and PPO with four
 /// models, whose reward model is read relative to the program's directory).

@@ -55,8 +55,8 @@ fn run(m: &Model, tok: &Tokenizer, w: &Workload, mode: &SpeculateMode) -> Result
     let options = EngineOptions {
         max_batch: w.max_batch,
         speculate: mode.clone(),
-        draft_len: None,
         first_prompt: 0,
+        ..EngineOptions::default()
     };
     let t = Instant::now();
     let c = cpu_seconds();

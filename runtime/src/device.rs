@@ -1,6 +1,7 @@
-//! Device selection and the facts about libtorch that the CLI reports.
+//! Device selection, the facts about libtorch that the CLI reports, and copies between a GPU
+//! and host memory.
 
-use tch::Device;
+use tch::{Device, Tensor};
 
 /// The device a run uses when the user names none: the first CUDA device if libtorch sees one,
 /// else the CPU.
@@ -16,6 +17,55 @@ pub fn default_device() -> Device {
 pub fn set_cpu_threads(threads: usize) {
     let threads = i32::try_from(threads.max(1)).unwrap_or(i32::MAX);
     tch::set_num_threads(threads);
+}
+
+/// Host copies of `tensors`, for writing them out (checkpoints): CPU tensors as they are; CUDA
+/// tensors copied into pinned (page-locked) host memory, all copies queued without waiting and
+/// then one synchronisation. A copy from device memory into pageable memory goes through a
+/// staging buffer one chunk at a time and blocks per tensor; into pinned memory it is one
+/// DMA transfer, and libtorch's caching host allocator keeps the pinned blocks for the next
+/// checkpoint.
+pub fn host_copies(tensors: &[(String, Tensor)]) -> Vec<(String, Tensor)> {
+    let mut on_gpu: Vec<i64> = Vec::new();
+    let out = tensors
+        .iter()
+        .map(|(name, t)| {
+            let t = t.detach();
+            let host = match t.device() {
+                Device::Cuda(i) => {
+                    if !on_gpu.contains(&(i as i64)) {
+                        on_gpu.push(i as i64);
+                    }
+                    // non_blocking from CUDA to the CPU allocates the destination pinned.
+                    t.to_device_(Device::Cpu, t.kind(), true, false)
+                }
+                _ => t,
+            };
+            (name.clone(), host)
+        })
+        .collect();
+    for i in on_gpu {
+        tch::Cuda::synchronize(i);
+    }
+    out
+}
+
+/// Moves `t` to host memory for a while (an offloaded model's weights): pinned on a GPU, so
+/// that [`from_host`] is one asynchronous DMA transfer back; a CPU tensor stays where it is.
+pub fn to_host_pinned(t: &Tensor) -> Tensor {
+    match t.device() {
+        Device::Cuda(_) => t.to_device_(Device::Cpu, t.kind(), true, false),
+        _ => t.shallow_clone(),
+    }
+}
+
+/// Copies a host tensor (pinned by [`to_host_pinned`]) to `device`; asynchronous from pinned
+/// memory, ordered on the current stream before any kernel that reads it.
+pub fn from_host(t: &Tensor, device: Device) -> Tensor {
+    if t.device() == device {
+        return t.shallow_clone();
+    }
+    t.to_device_(device, t.kind(), true, false)
 }
 
 #[cfg(test)]

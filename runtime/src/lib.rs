@@ -3,6 +3,7 @@
 //! compiler crates never depend on it. See docs/runtime.md for how models, the engine and its
 //! stream work, and the invariants with the tests that keep them.
 
+pub mod cuda;
 pub mod device;
 pub mod dist;
 pub mod error;
@@ -15,14 +16,15 @@ pub mod training;
 
 pub use error::{Error, Result};
 pub use generation::engine::{
-    EngineOptions, FinishReason, Generation, Sample, generate, generate_stream, spawn_generation,
+    EngineOptions, FinishReason, Generation, Sample, SamplingPlace, generate, generate_stream,
+    spawn_generation,
 };
 pub use generation::sampling::SamplingParams;
 pub use models::cache::KvCache;
 pub use models::config::{Arch, ModelConfig};
 pub use models::model::{Head, LoadOptions, Model};
 pub use models::save::save_pretrained;
-pub use models::tiny::{TinyConfig, TinyVocab, tiny};
+pub use models::tiny::{TinyConfig, TinyVocab, tiny, tiny_in};
 pub use models::tokenizer::{ChatMessage, SpecialTokens, Tokenizer};
-pub use tch::Device;
+pub use tch::{Device, Kind};
 pub use training::infer::{InferOptions, Rollout, logprobs, score, values};

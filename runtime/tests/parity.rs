@@ -1,5 +1,10 @@
 //! Parity with transformers: logits and greedy generations of the fixtures made by
 //! `scripts/make_fixtures.py` (tiny random models of each supported architecture).
+//!
+//! `BRAID_TEST_DEVICE=cuda` runs them on the first GPU (`scripts/gpu-check` does): the same
+//! greedy tokens in f32, logits within 1e-3 in f32 (the GPU's kernels add in other orders) and
+//! within bf16's tolerance in bf16; without a GPU that setting fails instead of testing the
+//! CPU.
 
 // Each test sets one libtorch thread: tests run in parallel threads, and OpenMP threads
 // spinning on a small shared machine slow the suite down about tenfold.
@@ -13,12 +18,17 @@ use braid_runtime::{
     generate, score,
 };
 use serde_json::Value;
-use tch::{Kind, Tensor};
+use tch::{Device, Kind, Tensor};
 
+/// A fixture directory: under `BRAID_FIXTURES` when set (a test binary carried to another
+/// machine by `scripts/gpu-check`), else this crate's `tests/fixtures`.
 fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
-        .join(name)
+    match std::env::var_os("BRAID_FIXTURES") {
+        Some(dir) => PathBuf::from(dir).join(name),
+        None => PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures")
+            .join(name),
+    }
 }
 
 fn expected(name: &str) -> Value {
@@ -58,23 +68,58 @@ fn greedy_cached(model: &Model, prompt: &[i64], steps: usize) -> Vec<i64> {
     out
 }
 
+/// The device the parity tests run on: the CPU, or the first GPU with `BRAID_TEST_DEVICE=cuda`.
+fn device() -> Device {
+    match std::env::var("BRAID_TEST_DEVICE").as_deref() {
+        Ok("cuda") => {
+            assert!(
+                tch::Cuda::is_available(),
+                "BRAID_TEST_DEVICE=cuda, but libtorch sees no GPU"
+            );
+            Device::Cuda(0)
+        }
+        Ok("cpu") | Err(_) => Device::Cpu,
+        Ok(other) => panic!("BRAID_TEST_DEVICE must be `cpu` or `cuda`, not `{other}`"),
+    }
+}
+
+/// Largest logit difference to transformers' (computed in f32 on the CPU) allowed on `device`.
+fn f32_tolerance(device: Device) -> f32 {
+    if device.is_cuda() { 1e-3 } else { 1e-4 }
+}
+
 fn check(name: &str) {
     let dir = fixture(name);
-    let model = Model::load(&dir, &LoadOptions::default()).unwrap();
+    let device = device();
+    let model = Model::load(
+        &dir,
+        &LoadOptions {
+            dtype: Some(Kind::Float),
+            device,
+            ..LoadOptions::default()
+        },
+    )
+    .unwrap();
     let tok = Tokenizer::from_dir(&dir, model.config()).unwrap();
     assert!(tok.vocab_size() <= model.config().vocab_size as usize);
     let exp = expected(name);
     let input = ids(&exp["input_ids"]);
     let want = floats(&exp["logits"]);
     let got = tch::no_grad(|| model.forward(&Tensor::from_slice(&input).unsqueeze(0), None));
-    let got: Vec<f32> = Vec::try_from(got.to_kind(Kind::Float).reshape([-1])).unwrap();
+    let got: Vec<f32> = Vec::try_from(
+        got.to_kind(Kind::Float)
+            .to_device(Device::Cpu)
+            .reshape([-1]),
+    )
+    .unwrap();
     assert_eq!(got.len(), want.len());
     let max_diff = got
         .iter()
         .zip(&want)
         .map(|(a, b)| (a - b).abs())
         .fold(0.0f32, f32::max);
-    assert!(max_diff < 1e-4, "{name}: logits differ by {max_diff}");
+    let tol = f32_tolerance(device);
+    assert!(max_diff < tol, "{name}: logits differ by {max_diff}");
     let prompt = ids(&exp["greedy"]["prompt"]);
     let tokens = ids(&exp["greedy"]["tokens"]);
     assert_eq!(
@@ -150,6 +195,7 @@ fn reward_model_scores_match_transformers() {
         &dir,
         &LoadOptions {
             head: Head::Score,
+            device: device(),
             ..LoadOptions::default()
         },
     )
@@ -164,9 +210,14 @@ fn reward_model_scores_match_transformers() {
     let want = floats(&exp["score_batch"]["scores"]);
     // One sequence at a time (no padding) and the batch (right padding) must both agree.
     for (seq, w) in seqs.iter().zip(&want) {
-        let out = tch::no_grad(|| model.forward(&Tensor::from_slice(seq).unsqueeze(0), None));
+        let out = tch::no_grad(|| model.forward(&Tensor::from_slice(seq).unsqueeze(0), None))
+            .to_kind(Kind::Float)
+            .to_device(Device::Cpu);
         let last = out.double_value(&[0, seq.len() as i64 - 1, 0]) as f32;
-        assert!((last - w).abs() < 1e-4, "score {last} vs {w}");
+        assert!(
+            (last - w).abs() < f32_tolerance(device()),
+            "score {last} vs {w}"
+        );
     }
     // The batched scoring path, right-padded in one micro-batch.
     let rollouts: Vec<Rollout> = seqs
@@ -178,7 +229,10 @@ fn reward_model_scores_match_transformers() {
         .collect();
     let got = score(&model, &rollouts, &InferOptions::default()).unwrap();
     for (g, w) in got.iter().zip(&want) {
-        assert!((g - w).abs() < 1e-4, "batched score {g} vs {w}");
+        assert!(
+            (g - w).abs() < f32_tolerance(device()),
+            "batched score {g} vs {w}"
+        );
     }
 }
 
@@ -194,6 +248,7 @@ fn bf16_and_f16_weights_give_close_logits() {
             &dir,
             &LoadOptions {
                 dtype: Some(kind),
+                device: device(),
                 ..LoadOptions::default()
             },
         )
@@ -201,6 +256,7 @@ fn bf16_and_f16_weights_give_close_logits() {
         assert_eq!(model.kind(), kind);
         let got = tch::no_grad(|| model.forward(&input, None))
             .to_kind(Kind::Float)
+            .to_device(Device::Cpu)
             .reshape([-1]);
         let diff = (got - &want).abs().max().double_value(&[]);
         // Reduced precision: 8 (bf16) or 11 (f16) mantissa bits over two layers.

@@ -352,7 +352,7 @@ pub const MODEL_OPTIONS: &[OptionSpec] = &[
         key: "dtype",
         ty: "dtype",
         values: &["f32", "bf16", "f16"],
-        doc: "Parameter and compute precision. Default: f32 on CPU, bf16 on GPU.",
+        doc: "Compute precision: forward and backward run in it, and frozen models and generation hold their weights in it. A trained bf16 or f16 model keeps f32 master weights and f32 AdamW state; f16 adds dynamic loss scaling. Default: f32 on CPU, bf16 on GPU.",
     },
     OptionSpec {
         key: "head",
@@ -374,6 +374,11 @@ pub const MODEL_OPTIONS: &[OptionSpec] = &[
         "max_len",
         "int",
         "The longest sequence (prompt plus completion) the model is run on (> 0).",
+    ),
+    o(
+        "gradient_checkpointing",
+        "bool",
+        "Activation checkpointing for a trained model: keep only each layer's input in the forward pass and recompute the layer in the backward pass. Less memory for activations, one more forward pass of compute. Needs `train:`. Default: off.",
     ),
 ];
 

@@ -103,6 +103,7 @@ codes! {
     E0413 => "duplicate-block", Error, "a file has more than one `cluster` or `schedule`";
     E0414 => "invalid-eval", Error, "the run's `eval` is incomplete, contradictory, or evaluates on training prompts";
     E0415 => "loss-of-another-model", Error, "a loss computed with one model's outputs trains another model";
+    E0416 => "option-needs-training", Error, "a model option that only changes training is set on a model without `train:`";
     // Planning.
     E0501 => "pin-matches-nothing", Error, "a schedule pin names no model call of the run";
     E0502 => "ambiguous-pin", Error, "a schedule pin matches more than one model call";

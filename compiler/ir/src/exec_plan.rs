@@ -454,6 +454,13 @@ impl ExecPlan {
                     "missing: an executable plan names every model's dtype",
                 );
             }
+            if m.gradient_checkpointing && m.optimizer.is_none() {
+                // The checker's E0416: it would change nothing for a model that is not trained.
+                return bad(
+                    format!("{field}.gradient_checkpointing"),
+                    "is set on a model without an optimizer",
+                );
+            }
             // Frozen copies must end at a real source, without a cycle.
             let mut cur = i;
             for _ in 0..=models {

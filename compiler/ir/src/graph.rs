@@ -918,6 +918,10 @@ pub struct ModelSpec {
     pub optimizer: Option<Optimizer>,
     pub grad_clip: Option<f64>,
     pub max_len: Option<i64>,
+    /// Activation checkpointing in training: each layer's activations are recomputed in the
+    /// backward pass. Written only when on, so plans without it keep their JSON form.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub gradient_checkpointing: bool,
 }
 
 /// Where a dataset's records come from.

@@ -376,12 +376,38 @@ fn describe_model(program: &Program, m: &hir::Model) -> String {
             };
             text.push_str(&weights);
             if m.train.is_some() {
-                // Gradients in the parameter dtype plus AdamW's two f32 moments.
-                let b = dtype.map_or(4.0, |(_, b)| b);
-                text.push_str(&format!(
-                    "\n\ntraining state (gradients + AdamW moments): {}",
-                    bytes(n as f64 * (b + 8.0))
-                ));
+                // What the runtime holds besides the weights, by role, in the planner's table.
+                let state = |b: u64| {
+                    let per = braid_cost::cost::param_bytes(b, true);
+                    let (grads, opt) = if per.optimizer > 8 {
+                        (
+                            "gradients + f32 accumulator",
+                            "AdamW moments + f32 master weights",
+                        )
+                    } else {
+                        ("gradients", "AdamW moments")
+                    };
+                    format!(
+                        "{grads} {}, {opt} {}",
+                        bytes(n as f64 * per.gradients as f64),
+                        bytes(n as f64 * per.optimizer as f64)
+                    )
+                };
+                match dtype {
+                    Some((_, b)) => {
+                        text.push_str(&format!("\n\ntraining state: {}", state(b as u64)));
+                    }
+                    None => text.push_str(&format!(
+                        "\n\ntraining state in f32 (CPU default): {}; in bf16 (GPU default): {}",
+                        state(4),
+                        state(2)
+                    )),
+                }
+                if m.gradient_checkpointing {
+                    text.push_str(
+                        "; activations: each layer's input only (`gradient_checkpointing`)",
+                    );
+                }
             }
         }
         hir::ModelSource::Hf { dir } => {
@@ -456,6 +482,19 @@ mod tests {
         assert_eq!(covered, "dtype");
         assert!(
             text.contains("precision") && text.contains("bf16"),
+            "{text}"
+        );
+        // A trained bf16 model: f32 masters and accumulator on top of bf16 weights.
+        let trained = "model m = tiny() {\n  dtype: bf16\n  train: adamw(lr: 1e-3)\n  gradient_checkpointing\n}\n";
+        let (text, _) = hover_at(trained, "m =", 0, 0).unwrap();
+        assert!(
+            text.contains("f32 master weights") && text.contains("each layer's input"),
+            "{text}"
+        );
+        let f32 = "model m = tiny() {\n  dtype: f32\n  train: adamw(lr: 1e-3)\n}\n";
+        let (text, _) = hover_at(f32, "m =", 0, 0).unwrap();
+        assert!(
+            text.contains("training state: gradients") && !text.contains("master"),
             "{text}"
         );
         // Between items there is nothing to say.

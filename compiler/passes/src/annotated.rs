@@ -233,6 +233,22 @@ impl Annotated {
     pub fn shape(&self, slot: u32) -> Option<&ModelShape> {
         self.shapes.get(slot as usize)
     }
+
+    /// Bytes per element of model `slot`'s dtype (its weights, activations and KV cache); the
+    /// cluster's default when the plan leaves it open (the driver resolves it before
+    /// planning).
+    pub fn dtype_bytes(&self, slot: u32) -> u64 {
+        self.plan
+            .models
+            .get(slot as usize)
+            .and_then(|m| m.dtype)
+            .map_or(self.cost.dtype_bytes, |d| d.bytes())
+    }
+
+    /// The cost model for calls of model `slot`: the cluster's device, the model's dtype.
+    pub fn cost_of(&self, slot: u32) -> CostModel {
+        self.cost.for_dtype(self.dtype_bytes(slot))
+    }
 }
 
 /// The shape of every model of a plan: `tiny(...)` from its options (byte vocabulary), a

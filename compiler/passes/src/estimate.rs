@@ -12,7 +12,7 @@ use std::collections::BTreeMap;
 use braid_ir::graph::{NodeId, Op};
 
 use crate::annotated::{Annotated, Placement};
-use crate::cost::{Layout, MemoryNeeds, MemoryUse, ModelShape};
+use crate::cost::{CostModel, Layout, MemoryNeeds, MemoryUse, ModelShape};
 use crate::fused_pipeline::{PipelineModel, PipelineProblem, SearchOptions, lower_bound};
 use crate::prng::Rng;
 
@@ -106,7 +106,7 @@ pub fn sample_lengths(a: &Annotated, gen_id: NodeId, samples: u64, max_new: u64)
 /// Decode time of one engine instance holding `lengths` (lock-step: the live batch shrinks as
 /// samples finish), after a prefill of all its prompts.
 pub fn instance_generate_time(
-    a: &Annotated,
+    cost: &CostModel,
     shape: &ModelShape,
     layout: Layout,
     lengths: &[u64],
@@ -118,13 +118,13 @@ pub fn instance_generate_time(
     let mut sorted = lengths.to_vec();
     sorted.sort_unstable();
     let b = sorted.len() as u64;
-    let mut t = a.cost.prefill_time(shape, layout, b, prompt_len);
+    let mut t = cost.prefill_time(shape, layout, b, prompt_len);
     let mut prev = 0u64;
     for (k, &len) in sorted.iter().enumerate() {
         if len > prev {
             let live = b - k as u64;
             let mid = prompt_len + (prev + len) / 2;
-            t += (len - prev) as f64 * a.cost.decode_step_time(shape, layout, live, mid);
+            t += (len - prev) as f64 * cost.decode_step_time(shape, layout, live, mid);
             prev = len;
         }
     }
@@ -133,7 +133,7 @@ pub fn instance_generate_time(
 
 /// Generation time on a placement: samples dealt round-robin over `dp` instances, each
 /// tensor- (and pipeline-) parallel inside; the slowest instance decides.
-pub fn generate_time(a: &Annotated, shape: &ModelShape, p: &Placement, size: &CallSize) -> f64 {
+pub fn generate_time(cost: &CostModel, shape: &ModelShape, p: &Placement, size: &CallSize) -> f64 {
     let inst = Layout {
         dp: 1,
         tp: p.tp,
@@ -144,7 +144,7 @@ pub fn generate_time(a: &Annotated, shape: &ModelShape, p: &Placement, size: &Ca
     for i in 0..dp {
         let mine: Vec<u64> = size.lengths.iter().skip(i).step_by(dp).copied().collect();
         worst = worst.max(instance_generate_time(
-            a,
+            cost,
             shape,
             inst,
             &mine,
@@ -165,20 +165,22 @@ pub fn call_time(a: &Annotated, id: NodeId, p: &Placement) -> f64 {
     let (Some(node), Some(size)) = (a.plan.graph.node(id), call_size(a, id)) else {
         return 0.0;
     };
-    let Some(shape) = node.op.model().and_then(|m| a.shape(m)) else {
+    let Some((slot, shape)) = node.op.model().and_then(|m| Some((m, a.shape(m)?))) else {
         return 0.0;
     };
+    let cost = a.cost_of(slot);
     match node.op {
-        Op::Generate { .. } => generate_time(a, shape, p, &size),
+        Op::Generate { .. } => generate_time(&cost, shape, p, &size),
         Op::Train { .. } => {
             let (epochs, mbs) = size.train.unwrap_or((1, 1));
             let global = size.samples.div_ceil(mbs).max(1);
-            let step = a.cost.train_step_time(
+            let step = cost.train_step_time(
                 shape,
                 p.layout(),
                 global,
                 size.mean_seq,
                 p.microbatches.max(1),
+                checkpointing(a, slot),
             );
             step.total * (epochs * mbs) as f64
         }
@@ -190,16 +192,25 @@ pub fn call_time(a: &Annotated, id: NodeId, p: &Placement) -> f64 {
             let (per, chunk) = per_replica(size.samples, p);
             let k = per.div_ceil(chunk) as f64;
             let pp = p.pp.max(1) as f64;
-            (k + pp - 1.0) / pp * a.cost.forward_time(shape, p.layout(), chunk, size.mean_seq)
+            (k + pp - 1.0) / pp * cost.forward_time(shape, p.layout(), chunk, size.mean_seq)
         }
     }
 }
 
-/// Memory one device of the call's mesh needs.
+/// Whether model `slot` trains with activation checkpointing.
+fn checkpointing(a: &Annotated, slot: u32) -> bool {
+    a.plan
+        .models
+        .get(slot as usize)
+        .is_some_and(|m| m.gradient_checkpointing)
+}
+
+/// Memory one device of the call's mesh needs, in the model's dtype.
 pub fn call_memory(a: &Annotated, id: NodeId, p: &Placement) -> Option<MemoryNeeds> {
     let node = a.plan.graph.node(id)?;
     let size = size_of(a, id, false)?;
-    let shape = a.shape(node.op.model()?)?;
+    let slot = node.op.model()?;
+    let shape = a.shape(slot)?;
     let use_ = match node.op {
         Op::Generate { .. } => MemoryUse {
             kv_batch: size.samples.div_ceil(p.dp.max(1)),
@@ -215,12 +226,13 @@ pub fn call_memory(a: &Annotated, id: NodeId, p: &Placement) -> Option<MemoryNee
                 microbatch_seqs: global.div_ceil(p.dp * p.microbatches.max(1)).max(1),
                 seq_len: size.max_seq,
                 microbatches: p.microbatches.max(1),
+                checkpointing: checkpointing(a, slot),
                 ..MemoryUse::default()
             }
         }
         _ => MemoryUse::default(),
     };
-    Some(a.cost.memory(shape, p.layout(), &use_))
+    Some(a.cost_of(slot).memory(shape, p.layout(), &use_))
 }
 
 /// Whether a placement fits its devices' memory.
@@ -609,13 +621,19 @@ pub fn fused_train(
     }
     let parts = |id: NodeId, p: &Placement| {
         let node = a.plan.graph.node(id)?;
-        let shape = a.shape(node.op.model()?)?;
+        let slot = node.op.model()?;
+        let shape = a.shape(slot)?;
         let size = call_size(a, id)?;
         let (epochs, mbs) = size.train?;
         let global = size.samples.div_ceil(mbs).max(1);
-        let t = a
-            .cost
-            .train_step_time(shape, p.layout(), global, size.mean_seq, p.microbatches);
+        let t = a.cost_of(slot).train_step_time(
+            shape,
+            p.layout(),
+            global,
+            size.mean_seq,
+            p.microbatches,
+            checkpointing(a, slot),
+        );
         let mem = call_memory(a, id, p)?;
         let per_mb = mem.activations / p.pp.min(p.microbatches).max(1);
         Some((epochs * mbs, t, per_mb))
@@ -740,7 +758,7 @@ pub fn iteration_time(
         if let (Some(shape), Some(prev)) = (a.shape(model), last_on_model.get(&model))
             && !prev.same_layout(p)
         {
-            let (_, most) = reshard_bytes(shape, a.cost.dtype_bytes, prev, p);
+            let (_, most) = reshard_bytes(shape, a.dtype_bytes(model), prev, p);
             reshard = reshard_seconds(a, most, prev, p);
         }
         let mut dur = times(id, p);
@@ -771,7 +789,7 @@ pub fn iteration_time(
         if let (Some(first), Some(shape)) = (first_on_model.get(m), a.shape(*m))
             && !first.same_layout(last)
         {
-            let (_, most) = reshard_bytes(shape, a.cost.dtype_bytes, last, first);
+            let (_, most) = reshard_bytes(shape, a.dtype_bytes(*m), last, first);
             total += reshard_seconds(a, most, last, first);
         }
     }

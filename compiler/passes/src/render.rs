@@ -362,10 +362,32 @@ pub struct PlanSpans {
 /// own: the weights of every model with a call on the device (with gradients and optimizer
 /// state for trained ones) stay resident between calls, and the largest transient need of a
 /// call there (its activations, its KV cache) comes on top. A model that `reshard-insert`
-/// offloads is resident only while its own calls run. One diagnostic per run of devices with
-/// the same residents, naming the models and the bytes.
+/// offloads is resident only while its own calls run. A trained model whose generation streams
+/// a call on the same model generates on a copy of its weights (in its dtype), which the
+/// runtime keeps next to the trained model on the generation's devices. One diagnostic per run
+/// of devices with the same residents, naming the models and the bytes.
 pub fn resident_memory_diagnostics(a: &Annotated, spans: &PlanSpans) -> Vec<Diagnostic> {
     let placements = estimate::placements(a);
+    let exec = a.to_exec_plan();
+    // Trained models with a generation copy, and the `generate` that uses it.
+    let copies: Vec<(u32, braid_ir::graph::NodeId)> = a
+        .calls()
+        .into_iter()
+        .filter_map(|id| match a.plan.graph.node(id).map(|n| &n.op) {
+            Some(Op::Generate { model, .. }) => Some((*model, id)),
+            _ => None,
+        })
+        .filter(|(m, g)| {
+            a.plan
+                .models
+                .get(*m as usize)
+                .is_some_and(|s| s.optimizer.is_some())
+                && exec
+                    .streamed(*g)
+                    .iter()
+                    .any(|(c, _)| a.plan.graph.node(*c).and_then(|n| n.op.model()) == Some(*m))
+        })
+        .collect();
     let usable = a.cost.device.usable_memory();
     let offloaded: std::collections::BTreeSet<u32> = a
         .plan
@@ -414,7 +436,15 @@ pub fn resident_memory_diagnostics(a: &Annotated, spans: &PlanSpans) -> Vec<Diag
             }
             transient = transient.max(here);
         }
-        let held: u64 = resident.values().sum();
+        let mut copy_bytes: BTreeMap<u32, u64> = BTreeMap::new();
+        for (m, g) in &copies {
+            if let Some(p) = placements.get(g).filter(|p| p.devices().contains(&d))
+                && let Some(mem) = estimate::call_memory(a, *g, p)
+            {
+                copy_bytes.insert(*m, mem.weights);
+            }
+        }
+        let held: u64 = resident.values().sum::<u64>() + copy_bytes.values().sum::<u64>();
         let total = held + transient;
         if total <= usable {
             continue;
@@ -430,6 +460,11 @@ pub fn resident_memory_diagnostics(a: &Annotated, spans: &PlanSpans) -> Vec<Diag
         let parts: Vec<String> = resident
             .iter()
             .map(|(m, b)| format!("`{}` {}", a.model_name(*m), gb(*b)))
+            .chain(
+                copy_bytes
+                    .iter()
+                    .map(|(m, b)| format!("`{}`'s generation copy {}", a.model_name(*m), gb(*b))),
+            )
             .collect();
         let mut diag = Diagnostic::new(
             Code::E0504,

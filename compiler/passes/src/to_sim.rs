@@ -113,7 +113,7 @@ pub fn to_dag(a: &Annotated, fusion: bool) -> Result<(Dag, BTreeMap<NodeId, Task
                 let m = model(id)?;
                 let shape = a.shape(m)?;
                 let in_place = model(s.generate) == Some(m)
-                    && estimate::reshard_bytes(shape, a.cost.dtype_bytes, gp, sub).0 == 0;
+                    && estimate::reshard_bytes(shape, a.dtype_bytes(m), gp, sub).0 == 0;
                 in_place.then_some((id, (s.generate, *gp)))
             })
             .collect()
@@ -155,7 +155,7 @@ pub fn to_dag(a: &Annotated, fusion: bool) -> Result<(Dag, BTreeMap<NodeId, Task
             };
             let secs = match (&tn.op, after.and_then(|x| in_gen_layout.get(&x))) {
                 (Op::Reshard { model, .. }, Some((_, gp))) => a.shape(*model).map_or(0.0, |sh| {
-                    let (_, most) = estimate::reshard_bytes(sh, a.cost.dtype_bytes, gp, p);
+                    let (_, most) = estimate::reshard_bytes(sh, a.dtype_bytes(*model), gp, p);
                     estimate::reshard_seconds(a, most, gp, p)
                 }),
                 _ => a.decisions.transfers.get(&t).map_or(0.0, |d| d.seconds),
@@ -204,7 +204,10 @@ pub fn to_dag(a: &Annotated, fusion: bool) -> Result<(Dag, BTreeMap<NodeId, Task
                     instances: p.dp.max(1),
                     lengths: clip_lengths(&a.workload.lengths, size.max_new),
                     model: shape.clone(),
-                    cost: a.cost.clone(),
+                    cost: node
+                        .op
+                        .model()
+                        .map_or_else(|| a.cost.clone(), |m| a.cost_of(m)),
                     migration: a.decisions.migrations.get(&id).filter(|_| fusion).map(|m| {
                         Migration {
                             threshold: m.threshold,

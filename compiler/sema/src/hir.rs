@@ -408,6 +408,8 @@ pub struct Model {
     pub train: Option<AdamW>,
     pub grad_clip: Option<f64>,
     pub max_len: Option<i64>,
+    /// Recompute each layer's activations in the backward pass instead of keeping them.
+    pub gradient_checkpointing: bool,
     pub name_span: Span,
     pub span: Span,
 }

@@ -941,6 +941,7 @@ impl<'a> Checker<'a> {
                     train: None,
                     grad_clip: None,
                     max_len: None,
+                    gradient_checkpointing: false,
                     name_span: d.name.span,
                     span: d.span,
                 });

@@ -100,6 +100,7 @@ pub fn lower_run(program: &Program) -> Result<g::Plan, LowerError> {
             optimizer: None,
             grad_clip: None,
             max_len: cx.models[src as usize].max_len,
+            gradient_checkpointing: false,
         };
         cx.models.push(spec);
         cx.env
@@ -263,6 +264,7 @@ impl Cx<'_> {
             }),
             grad_clip: m.grad_clip,
             max_len: m.max_len,
+            gradient_checkpointing: m.gradient_checkpointing,
         };
         self.models.push(spec);
         let slot = self.models.len() as u32 - 1;

@@ -18,14 +18,19 @@ pub fn program(p: &Program) -> String {
     for m in &p.models {
         let _ = writeln!(
             out,
-            "model {} = {:?} head={} dtype={:?} train={:?} grad_clip={:?} max_len={:?}",
+            "model {} = {:?} head={} dtype={:?} train={:?} grad_clip={:?} max_len={:?}{}",
             m.name,
             m.source,
             m.head.as_str(),
             m.dtype,
             m.train,
             m.grad_clip,
-            m.max_len
+            m.max_len,
+            if m.gradient_checkpointing {
+                " gradient_checkpointing"
+            } else {
+                ""
+            }
         );
     }
     for d in &p.datasets {

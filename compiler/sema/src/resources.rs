@@ -334,6 +334,30 @@ impl Checker<'_> {
         if let Some(e) = opts.entries.get("train") {
             model.train = self.adamw(e);
         }
+        if let Some(e) = opts.entries.get("gradient_checkpointing")
+            && let Some(Value::Bool(b)) = self.option_value(e, &SigTy::Bool)
+        {
+            model.gradient_checkpointing = b;
+            // Recomputation saves memory in the backward pass only; a model without an
+            // optimizer has none, and the option would silently do nothing.
+            if b && model.train.is_none() && !opts.entries.contains_key("train") {
+                self.report(
+                    err(
+                        Code::E0416,
+                        format!(
+                            "`gradient_checkpointing` only changes how `{}` is trained, and it declares no `train:`",
+                            d.name.name
+                        ),
+                        e.span,
+                        "set on a model that is not trained",
+                    )
+                    .with_help(
+                        "remove `gradient_checkpointing`, or make the model trainable with `train: adamw(lr: …)`",
+                    ),
+                );
+                model.gradient_checkpointing = false;
+            }
+        }
         if model.train.is_some()
             && let ModelSource::Frozen(_) = model.source
         {

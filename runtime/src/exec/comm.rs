@@ -226,9 +226,15 @@ pub(super) fn all_reduce_gradients(group: &ProcessGroup, params: &[Tensor]) -> R
         }
         grads.push(p.grad());
     }
+    all_reduce_tensors(group, grads)
+}
+
+/// Sums `tensors` over the group in place, in buckets of about `BUCKET_BYTES` (one coalesced
+/// collective each).
+pub(super) fn all_reduce_tensors(group: &ProcessGroup, tensors: Vec<Tensor>) -> Result<()> {
     let mut bucket: Vec<Tensor> = Vec::new();
     let mut bytes = 0usize;
-    for g in grads {
+    for g in tensors {
         bytes += g.numel() * g.kind().elt_size_in_bytes();
         bucket.push(g);
         if bytes >= BUCKET_BYTES {

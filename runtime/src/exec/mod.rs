@@ -39,7 +39,7 @@ use crate::generation::engine::{EngineOptions, FinishReason, Sample, generate_st
 use crate::generation::sampling::SamplingParams;
 use crate::generation::spec::SpeculateMode;
 use crate::models::model::{Head, LoadOptions, Model};
-use crate::models::tiny::{TinyConfig, TinyVocab, tiny};
+use crate::models::tiny::{TinyConfig, TinyVocab, tiny_in};
 use crate::models::tokenizer::{ChatMessage, Tokenizer};
 use crate::rng::{Rng, derive};
 use crate::training::checkpoint::{self, State};

@@ -59,11 +59,14 @@ impl<'p> Executor<'p> {
                 continue;
             }
             self.load_weights(i, &dir)?;
-            let path = dir
-                .join("optimizer")
-                .join(format!("{}.safetensors", self.slots[i].spec.name));
+            let name = self.slots[i].spec.name.clone();
             if let Some(opt) = self.slots[i].opt.as_mut() {
-                opt.load(&path)?;
+                opt.load(&checkpoint::optimizer_path(&dir, &name))?;
+                if opt.has_masters() {
+                    // The weights the run continues from; the model's copy is rounded from
+                    // them (and equals the checkpoint's weights, which are that rounding).
+                    opt.load_masters(&checkpoint::master_path(&dir, &name))?;
+                }
             }
         }
         // Ranks that hold a trained model without training it (its generation, on other

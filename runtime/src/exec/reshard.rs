@@ -54,14 +54,20 @@ impl<'p> Executor<'p> {
         Ok(())
     }
 
-    /// Moves a model this rank holds (with its generation copy) to `device`.
+    /// Moves a model this rank holds (with its generation copy) to host memory (`Device::Cpu`)
+    /// or back to its device: on a GPU through pinned host memory (`Model::offload`), so that
+    /// the way back is one asynchronous DMA transfer per tensor.
     fn move_model(&mut self, model: usize, device: Device) -> Result<()> {
         let slot = &mut self.slots[model];
-        if let Some(m) = slot.model.as_mut() {
-            m.var_store_mut().set_device(device);
-        }
-        if let Some(r) = slot.replica.as_mut() {
-            r.var_store_mut().set_device(device);
+        for m in [slot.model.as_mut(), slot.replica.as_mut()]
+            .into_iter()
+            .flatten()
+        {
+            if device == Device::Cpu {
+                m.offload()?;
+            } else {
+                m.reload()?;
+            }
         }
         Ok(())
     }

@@ -65,21 +65,37 @@ impl<'p> Executor<'p> {
         let mut slots = Vec::new();
         for (i, spec) in plan.models.iter().enumerate() {
             let slot = i as u32;
-            let (model, tokenizer) = if here.contains(&slot) {
-                let (m, t) = build_model(plan, i, &options.base_dir, options.device)?;
-                (Some(m), t)
-            } else {
-                (None, build_tokenizer(plan, i, &options.base_dir)?)
-            };
-            let opt = match (&spec.optimizer, trains_here.contains(&slot), &model) {
-                (Some(c), true, Some(m)) => Some(AdamW::new(m, c.clone())?),
+            let kind = kind_of(spec)?;
+            let trained = trains_here.contains(&slot);
+            let (model, tokenizer, opt) = match (&spec.optimizer, trained, here.contains(&slot)) {
+                (Some(c), true, true) => {
+                    // Mixed precision: the source is read in f32 (its own precision, or more),
+                    // those values become the optimizer's f32 masters, and the model computes
+                    // on a copy rounded once into its dtype.
+                    let (mut model, tokenizer) =
+                        build_model(plan, i, &options.base_dir, options.device, Kind::Float)?;
+                    let opt = if kind == Kind::Float {
+                        AdamW::new(&model, c.clone())?
+                    } else {
+                        let masters = model.convert_keeping_masters(kind)?;
+                        AdamW::with_masters(&model, c.clone(), masters)?
+                    };
+                    (Some(model), tokenizer, Some(opt))
+                }
                 (None, true, _) => {
                     return Err(Error::invalid(
                         format!("model `{}`", spec.name),
                         "is trained but declares no `train:` optimizer",
                     ));
                 }
-                _ => None,
+                // Frozen models hold their dtype's weights only; a rank without a call of the
+                // model holds only its tokenizer.
+                (_, _, true) => {
+                    let (model, tokenizer) =
+                        build_model(plan, i, &options.base_dir, options.device, kind)?;
+                    (Some(model), tokenizer, None)
+                }
+                _ => (None, build_tokenizer(plan, i, &options.base_dir)?, None),
             };
             slots.push(Slot {
                 spec: spec.clone(),
@@ -156,8 +172,10 @@ impl<'p> Executor<'p> {
         for model in needs_replica {
             let i = model as usize;
             if ex.slots[i].opt.is_some() {
+                // Generation's copy: the model's dtype only, refreshed after every update.
+                let kind = ex.slots[i].model()?.kind();
                 let (mut replica, _) =
-                    build_model(plan, i, &ex.options.base_dir, ex.options.device)?;
+                    build_model(plan, i, &ex.options.base_dir, ex.options.device, kind)?;
                 copy_weights(&mut replica, ex.slots[i].model()?)?;
                 ex.slots[i].replica = Some(replica);
             }
@@ -292,12 +310,15 @@ pub(super) fn kind_of(spec: &ModelSpec) -> Result<Kind> {
         .ok_or_else(|| Error::invalid(format!("model `{}`", spec.name), "the plan names no dtype"))
 }
 
-/// Builds a model from its source (following frozen copies to the model they copy).
+/// Builds model `slot` from its source (following frozen copies to the model they copy) with
+/// parameters in `kind`: the slot's own dtype, or f32 for a trained model's masters. A frozen
+/// copy computes in its own dtype, which may differ from the model it copies.
 pub(super) fn build_model(
     plan: &Plan,
     slot: usize,
     base_dir: &Path,
     device: Device,
+    kind: Kind,
 ) -> Result<(Model, Tokenizer)> {
     let spec = &plan.models[slot];
     let head = spec.head;
@@ -329,7 +350,7 @@ pub(super) fn build_model(
                 max_len: root.max_len.unwrap_or(*max_len),
                 seed: *seed as u64,
             };
-            tiny(&config, head, device)
+            tiny_in(&config, head, kind, device)
         }
         ModelSource::Hf { dir } => {
             let path = if Path::new(dir).is_absolute() {
@@ -341,7 +362,7 @@ pub(super) fn build_model(
                 &path,
                 &LoadOptions {
                     head,
-                    dtype: Some(kind_of(root)?),
+                    dtype: Some(kind),
                     device,
                 },
             )?;

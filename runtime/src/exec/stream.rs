@@ -5,6 +5,11 @@
 //! consumers need from other ranks arrive the same way (RLHFuse's sample-level inter-stage
 //! fusion, across processes). At the end every rank gathers the whole rollout and every
 //! streamed result.
+//!
+//! On a GPU the streamed inference on this thread queues its kernels on a CUDA stream of its
+//! own (one of c10's pool), while generation uses the default stream, so that the device runs
+//! them concurrently instead of one after the other (c10's current stream is per thread, so
+//! the other threads are not affected).
 
 use super::*;
 use crate::dist::ProcessGroup;
@@ -168,6 +173,14 @@ impl<'p> Executor<'p> {
             ));
         }
         let plan = self.plan;
+        // Streamed inference's own CUDA stream, current on this thread for the streaming window
+        // (the guard waits for the stream's work when it is dropped, after the window).
+        let stream_guard = match self.options.device {
+            Device::Cuda(i) if !consumers.is_empty() => {
+                Some(crate::cuda::Stream::from_pool(i)?.make_current()?)
+            }
+            _ => None,
+        };
         let t_gen = Instant::now();
         // Every finished sample reaches this thread by one channel: from the generation
         // thread for this rank's own, from a receiving thread per peer for the others'.
@@ -358,6 +371,7 @@ impl<'p> Executor<'p> {
                 .sum();
             Ok((sent, received))
         });
+        drop(stream_guard);
         let (sent, received) = result?;
 
         for (dst, g) in sent {

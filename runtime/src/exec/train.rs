@@ -93,6 +93,10 @@ impl<'p> Executor<'p> {
             let mut metrics: BTreeMap<String, (f64, f64)> = BTreeMap::new();
             let mut norm_sum = 0.0;
             let mut opt_steps = 0usize;
+            // Optimizer steps that updated the model, and those skipped for non-finite
+            // gradients.
+            let mut taken = 0usize;
+            let mut skipped = 0usize;
             let mut lr = 0.0;
             for _ in 0..epochs.max(1) {
                 let mut perm: Vec<usize> = (0..n).collect();
@@ -111,7 +115,13 @@ impl<'p> Executor<'p> {
                             continue;
                         }
                         let layout = Layout::new(&lens, &groups, &mb_lens, &mb_groups);
-                        let out = train_forward(m, &seqs, r.temperature, head)?;
+                        let mut out = train_forward(
+                            m,
+                            &seqs,
+                            r.temperature,
+                            head,
+                            spec.gradient_checkpointing,
+                        )?;
                         if opt.step == start_step
                             && let Some(lp) = &out.logp
                         {
@@ -144,18 +154,34 @@ impl<'p> Executor<'p> {
                             m.1 += count;
                         }
                         local[0] += ev.loss.double_value(&[]);
-                        ev.loss.backward();
+                        // Times the loss scale for f16 models (1 otherwise); the gradients of
+                        // a bf16 or f16 model then move into its f32 accumulators.
+                        opt.scale_loss(&ev.loss).backward();
+                        if let Some(ck) = out.checkpoint.take() {
+                            // Activation checkpointing: the layers' backward, recomputed.
+                            m.backward_checkpointed(ck)?;
+                        }
+                        opt.accumulate();
                         if let Some(e) = &out.entropy {
                             local[1] += e.detach().sum(Kind::Float).double_value(&[]);
                         }
                         local[2] += t as f64;
                     }
                     if let Some(g) = group {
-                        comm::all_reduce_gradients(g, &opt.parameters())?;
+                        // A bf16 or f16 model's gradients are in its f32 accumulators.
+                        match opt.accumulators() {
+                            Some(acc) => comm::all_reduce_tensors(g, acc)?,
+                            None => comm::all_reduce_gradients(g, &opt.parameters())?,
+                        }
                     }
                     lr = opt.lr_at(opt.step, *total_opt_steps);
-                    let norm = opt.step(lr, grad_clip);
-                    norm_sum += norm;
+                    let outcome = opt.step(lr, grad_clip);
+                    if outcome.skipped {
+                        skipped += 1;
+                    } else {
+                        norm_sum += outcome.norm;
+                        taken += 1;
+                    }
                     opt_steps += 1;
                 }
             }
@@ -172,7 +198,15 @@ impl<'p> Executor<'p> {
             let [loss_sum, ent_tok, tokens] = local;
             let k = opt_steps.max(1) as f64;
             stats.insert("loss".into(), loss_sum / k);
-            stats.insert("grad_norm".into(), norm_sum / k);
+            // The norm of the steps that updated the model: a skipped step's is inf or NaN.
+            if taken > 0 {
+                stats.insert("grad_norm".into(), norm_sum / taken as f64);
+            }
+            stats.insert("skipped_steps".into(), skipped as f64);
+            if m.kind() == Kind::Half {
+                // The scale the next step starts with.
+                stats.insert("loss_scale".into(), opt.loss_scale());
+            }
             stats.insert("lr".into(), lr);
             for (name, sc) in metrics.keys().zip(metric_sums.chunks(2)) {
                 stats.insert(
@@ -216,6 +250,8 @@ pub(super) struct TrainOut {
     pub(super) entropy: Option<Tensor>,
     /// Values at the completion tokens `[T]` (critics).
     pub(super) values: Option<Tensor>,
+    /// With activation checkpointing: what the layers' recomputed backward needs.
+    pub(super) checkpoint: Option<crate::models::model::Checkpoint>,
 }
 
 pub(super) fn train_forward(
@@ -223,9 +259,15 @@ pub(super) fn train_forward(
     seqs: &[&Rollout],
     temperature: f64,
     head: Head,
+    checkpointing: bool,
 ) -> Result<TrainOut> {
     let (ids, mask) = infer::pad_batch(seqs, 0, model.device());
-    let hidden = model.hidden_states(&ids, Some(&mask));
+    let (hidden, checkpoint) = if checkpointing {
+        let (h, ck) = model.hidden_states_checkpointed(&ids, Some(&mask));
+        (h, Some(ck))
+    } else {
+        (model.hidden_states(&ids, Some(&mask)), None)
+    };
     let mut rows = Vec::new();
     let mut cols = Vec::new();
     let mut targets = Vec::new();
@@ -254,12 +296,14 @@ pub(super) fn train_forward(
                 logp: Some(logp),
                 entropy: Some(entropy),
                 values: None,
+                checkpoint,
             })
         }
         Head::Value => Ok(TrainOut {
             logp: None,
             entropy: None,
             values: Some(model.apply_head(&h).to_kind(Kind::Float)),
+            checkpoint,
         }),
         Head::Score => Err(Error::invalid(
             "train",

@@ -58,6 +58,22 @@ pub struct EngineOptions {
     /// its index in the whole batch, so that it samples the text one process would (0 by
     /// default).
     pub first_prompt: usize,
+    /// Where tokens are chosen (default: on a GPU where the model is on one).
+    pub sampling: SamplingPlace,
+}
+
+/// Where the engine chooses tokens from the logits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SamplingPlace {
+    /// On the model's device when it is a GPU, else on the host.
+    #[default]
+    Auto,
+    /// On the host, from logits copied back at every step: the CPU path.
+    Host,
+    /// On the model's device with `device_sampling`: only the chosen tokens and their
+    /// log-probabilities come back. Steps that verify drafts copy their logits to the host
+    /// (verification walks them there) whatever this says.
+    Device,
 }
 
 impl Default for EngineOptions {
@@ -66,9 +82,17 @@ impl Default for EngineOptions {
             max_batch: 32,
             speculate: SpeculateMode::Off,
             draft_len: None,
+            sampling: SamplingPlace::Auto,
             first_prompt: 0,
         }
     }
+}
+
+/// The logits a prefilled prompt's samples start from: host values, or a row left on the
+/// device for `device_sampling`.
+enum RowLogits {
+    Host(Vec<f32>),
+    Device(Tensor),
 }
 
 /// Why a sample stopped.
@@ -212,7 +236,7 @@ struct Prefilled {
     /// The draft model's cache of the same prompts (with a draft model only).
     draft_cache: Option<KvCache>,
     /// Per cache row: prompt index, logits after the prompt, samples still to admit.
-    rows: Vec<(usize, Vec<f32>, usize)>,
+    rows: Vec<(usize, RowLogits, usize)>,
 }
 
 /// A running generation request: an iterator over finished samples, in finishing order.
@@ -232,6 +256,8 @@ pub struct Generation<'m> {
     failed: bool,
     spec: Option<Speculator>,
     steps: Vec<StepRecord>,
+    /// Tokens are chosen on the model's device (`EngineOptions::sampling`).
+    on_device: bool,
 }
 
 /// Starts generating `params.n` samples for each prompt (token ids). Nothing runs until the
@@ -278,6 +304,11 @@ pub fn generate_stream<'m>(
         Vec::new()
     };
     let spec = Speculator::new(&options, model, tokenizer)?;
+    let on_device = match options.sampling {
+        SamplingPlace::Auto => model.device().is_cuda(),
+        SamplingPlace::Host => false,
+        SamplingPlace::Device => true,
+    };
     Ok(Generation {
         model,
         tokenizer,
@@ -293,6 +324,7 @@ pub fn generate_stream<'m>(
         failed: false,
         spec,
         steps: Vec::new(),
+        on_device,
     })
 }
 
@@ -374,6 +406,15 @@ fn prefill_chunks(prompts: &[Vec<i64>], which: &[usize], max_batch: usize) -> Ve
     chunks
 }
 
+/// One uniform number from each run's generator (none when greedy): what `sample_token` would
+/// take from it for this token, for `device_sampling`.
+fn draws<'a>(greedy: bool, runs: impl Iterator<Item = &'a mut Running>) -> Vec<f64> {
+    if greedy {
+        return Vec::new();
+    }
+    runs.map(|run| run.rng.uniform()).collect()
+}
+
 /// Copies logits `[rows, V]` to the host as one flat vector of `rows × V` values.
 fn to_host(logits: &Tensor) -> Result<Vec<f32>> {
     let flat = logits
@@ -412,13 +453,27 @@ impl Generation<'_> {
             let logits = self
                 .model
                 .apply_head_cached(&hidden.index(&[Some(rows), Some(last)]));
-            let flat = to_host(&logits)?;
-            let v = flat.len() / chunk.len().max(1);
-            let rows = chunk
-                .iter()
-                .enumerate()
-                .map(|(i, &p)| (p, flat[i * v..(i + 1) * v].to_vec(), self.params.n))
-                .collect();
+            let rows = if self.on_device {
+                chunk
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &p)| (p, RowLogits::Device(logits.get(i as i64)), self.params.n))
+                    .collect()
+            } else {
+                let flat = to_host(&logits)?;
+                let v = flat.len() / chunk.len().max(1);
+                chunk
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &p)| {
+                        (
+                            p,
+                            RowLogits::Host(flat[i * v..(i + 1) * v].to_vec()),
+                            self.params.n,
+                        )
+                    })
+                    .collect()
+            };
             let draft_cache = self
                 .spec
                 .as_ref()
@@ -460,6 +515,8 @@ impl Generation<'_> {
             // Rows to copy from each prefilled batch, in admission order.
             let mut copies: Vec<Vec<usize>> = vec![Vec::new(); self.prefilled.len()];
             let mut order: Vec<(usize, Running)> = Vec::new();
+            // The admitted samples with their prefilled row, before their first token.
+            let mut admitted: Vec<(usize, usize, Running)> = Vec::new();
             for (p, s) in batch {
                 let Some((b, r)) =
                     self.prefilled.iter().enumerate().find_map(|(b, pf)| {
@@ -477,7 +534,7 @@ impl Generation<'_> {
                     Some(Drafter::Ngram) => Some(NgramIndex::new(&self.prompts[p])),
                     _ => None,
                 };
-                let mut run = Running {
+                let run = Running {
                     prompt: p,
                     sample: s,
                     rng: Rng::for_sample(self.params.seed, self.options.first_prompt + p, s),
@@ -487,7 +544,10 @@ impl Generation<'_> {
                     ngram,
                     acceptance: Acceptance::default(),
                 };
-                let (tok, lp) = sample_token(&row.1, &self.params, &mut run.rng);
+                admitted.push((b, r, run));
+            }
+            let first = self.first_tokens(&mut admitted)?;
+            for ((b, r, mut run), (tok, lp)) in admitted.into_iter().zip(first) {
                 run.push(tok, lp);
                 if let Some(done) = self.finished(&run) {
                     self.done.push_back(done);
@@ -510,6 +570,43 @@ impl Generation<'_> {
             self.running.extend(order.into_iter().map(|(_, run)| run));
             self.prefilled.retain(|pf| pf.rows.iter().any(|r| r.2 > 0));
         }
+    }
+
+    /// The first token of each admitted sample (prefilled batch `b`, row `r`), from its
+    /// prompt's logits: one batch on the device, or row by row on the host.
+    fn first_tokens(&self, admitted: &mut [(usize, usize, Running)]) -> Result<Vec<(i64, f32)>> {
+        if !self.on_device {
+            let mut out = Vec::with_capacity(admitted.len());
+            for (b, r, run) in admitted.iter_mut() {
+                let chosen = match &self.prefilled[*b].rows[*r].1 {
+                    RowLogits::Host(logits) => sample_token(logits, &self.params, &mut run.rng),
+                    RowLogits::Device(t) => sample_token(&to_host(t)?, &self.params, &mut run.rng),
+                };
+                out.push(chosen);
+            }
+            return Ok(out);
+        }
+        if admitted.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut rows = Vec::with_capacity(admitted.len());
+        for (b, r, _) in admitted.iter() {
+            match &self.prefilled[*b].rows[*r].1 {
+                RowLogits::Device(t) => rows.push(t.shallow_clone()),
+                RowLogits::Host(v) => {
+                    rows.push(Tensor::from_slice(v).to_device(self.model.device()))
+                }
+            }
+        }
+        let uniforms = draws(
+            self.params.greedy,
+            admitted.iter_mut().map(|(_, _, run)| run),
+        );
+        crate::generation::device_sampling::sample_rows(
+            &Tensor::stack(&rows, 0),
+            &self.params,
+            &uniforms,
+        )
     }
 
     /// Checks whether a sample is done after its latest token; if so builds its `Sample`.
@@ -610,7 +707,22 @@ impl Generation<'_> {
             let flat = hidden.reshape([(rows * t) as i64, -1]).index_select(0, &at);
             self.model.apply_head_cached(&flat)
         };
-        let flat = to_host(&logits)?;
+        // Without drafts on the device, only each row's token and log-probability come back;
+        // verification reads the logits on the host.
+        let sampled = if k == 0 && self.on_device {
+            let uniforms = draws(self.params.greedy, self.running.iter_mut());
+            Some(crate::generation::device_sampling::sample_rows(
+                &logits,
+                &self.params,
+                &uniforms,
+            )?)
+        } else {
+            None
+        };
+        let flat = match sampled {
+            Some(_) => Vec::new(),
+            None => to_host(&logits)?,
+        };
         let positions: usize = valid.iter().map(|&n| n as usize).sum();
         let v = flat.len() / positions.max(1);
         let mut keep = Vec::with_capacity(rows);
@@ -626,9 +738,11 @@ impl Generation<'_> {
         for (i, mut run) in running.into_iter().enumerate() {
             let d = &drafts[i];
             let n = d.len() + 1;
-            let target = &flat[offset * v..(offset + n) * v];
+            let target = &flat[(offset * v).min(flat.len())..((offset + n) * v).min(flat.len())];
             offset += n;
-            let out = if d.is_empty() {
+            let out = if let Some(s) = &sampled {
+                vec![s[i]]
+            } else if d.is_empty() {
                 vec![sample_token(target, &self.params, &mut run.rng)]
             } else if with_model && !self.params.greedy {
                 spec::verify_sampled(
@@ -922,6 +1036,50 @@ mod tests {
         for (p, s) in ps.iter().zip(&out) {
             assert_eq!(s.token_ids, greedy_full(&m, p, 20));
             assert_eq!(s.finish, FinishReason::Length);
+        }
+    }
+
+    /// Sampling on the device (the GPU path, run here on the CPU) generates the host path's
+    /// text: greedily token for token, and with temperature, top-k (distribution only, see
+    /// `device_sampling`) and top-p from the same per-sample draws; log-probabilities agree.
+    #[test]
+    fn device_sampling_generates_the_host_text() {
+        crate::device::set_cpu_threads(1);
+        let (m, tok) = model();
+        let ps = prompts(&tok, &["hello", "a much longer prompt here", "x", "yz"]);
+        let run = |params: &SamplingParams, sampling: SamplingPlace| {
+            generate(
+                &m,
+                &tok,
+                ps.clone(),
+                params.clone(),
+                EngineOptions {
+                    max_batch: 3,
+                    sampling,
+                    ..EngineOptions::default()
+                },
+            )
+            .unwrap()
+        };
+        let sampled = SamplingParams {
+            max_new_tokens: 40,
+            seed: 9,
+            n: 3,
+            temperature: 0.9,
+            top_p: 0.9,
+            ..SamplingParams::default()
+        };
+        for params in [greedy(30), sampled] {
+            let host = run(&params, SamplingPlace::Host);
+            let device = run(&params, SamplingPlace::Device);
+            assert_eq!(host.len(), device.len());
+            for (h, d) in host.iter().zip(&device) {
+                assert_eq!(h.token_ids, d.token_ids, "{params:?}");
+                assert_eq!(h.finish, d.finish);
+                for (a, b) in h.logprobs.iter().zip(&d.logprobs) {
+                    assert!((a - b).abs() < 1e-4, "{a} vs {b}");
+                }
+            }
         }
     }
 

@@ -63,6 +63,11 @@ impl KvCache {
         &self.lens
     }
 
+    /// The element type of keys and values: the model's dtype.
+    pub fn kind(&self) -> Kind {
+        self.kind
+    }
+
     /// Positions allocated per row.
     pub fn capacity(&self) -> i64 {
         self.capacity

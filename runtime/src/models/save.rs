@@ -12,7 +12,7 @@ use std::path::Path;
 
 use safetensors::tensor::{Dtype, TensorView};
 use serde_json::{Value, json};
-use tch::{Device, Kind};
+use tch::{Kind, Tensor};
 
 use crate::error::{Error, Result};
 use crate::models::config::Arch;
@@ -43,13 +43,59 @@ fn architecture(model: &Model) -> String {
     }
 }
 
-fn dtype_name(kind: Kind) -> (&'static str, Dtype) {
+fn dtype_name(kind: Kind) -> &'static str {
     match kind {
-        Kind::BFloat16 => ("bfloat16", Dtype::BF16),
-        Kind::Half => ("float16", Dtype::F16),
-        Kind::Double => ("float64", Dtype::F64),
-        _ => ("float32", Dtype::F32),
+        Kind::BFloat16 => "bfloat16",
+        Kind::Half => "float16",
+        Kind::Double => "float64",
+        _ => "float32",
     }
+}
+
+/// The safetensors element type of a libtorch kind.
+fn safetensors_dtype(kind: Kind) -> Option<Dtype> {
+    Some(match kind {
+        Kind::Float => Dtype::F32,
+        Kind::BFloat16 => Dtype::BF16,
+        Kind::Half => Dtype::F16,
+        Kind::Double => Dtype::F64,
+        Kind::Int64 => Dtype::I64,
+        _ => return None,
+    })
+}
+
+/// Writes `tensors` (name, tensor, on any device, in their own dtype) to one safetensors file
+/// with `format: pt` metadata. Device tensors reach host memory through pinned buffers
+/// (`device::host_copies`).
+pub fn write_safetensors(path: &Path, tensors: &[(String, Tensor)]) -> Result<()> {
+    let host = crate::device::host_copies(tensors);
+    let mut blobs: Vec<(&str, Dtype, Vec<usize>, Vec<u8>)> = Vec::with_capacity(host.len());
+    for (name, t) in &host {
+        let kind = t.kind();
+        let dtype = safetensors_dtype(kind).ok_or_else(|| {
+            Error::file(
+                path,
+                format!("tensor `{name}`: cannot write a {kind:?} tensor"),
+            )
+        })?;
+        let t = t.contiguous();
+        let numel = t.numel();
+        let mut bytes = vec![0u8; numel * kind.elt_size_in_bytes()];
+        t.f_copy_data_u8(&mut bytes, numel)?;
+        let shape = t.size().iter().map(|&d| d as usize).collect();
+        blobs.push((name.as_str(), dtype, shape, bytes));
+    }
+    let views = blobs
+        .iter()
+        .map(|(name, dtype, shape, bytes)| {
+            TensorView::new(*dtype, shape.clone(), bytes)
+                .map(|v| (*name, v))
+                .map_err(|e| Error::file(path, format!("tensor `{name}`: {e:?}")))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let metadata: HashMap<String, String> = [("format".to_owned(), "pt".to_owned())].into();
+    safetensors::tensor::serialize_to_file(views, &Some(metadata), path)
+        .map_err(|e| Error::file(path, format!("cannot write: {e:?}")))
 }
 
 fn write_json(path: &Path, v: &Value) -> Result<()> {
@@ -62,7 +108,7 @@ fn write_json(path: &Path, v: &Value) -> Result<()> {
 pub fn save_pretrained(model: &Model, tokenizer: &Tokenizer, dir: &Path) -> Result<()> {
     std::fs::create_dir_all(dir)
         .map_err(|e| Error::file(dir, format!("cannot create directory: {e}")))?;
-    let (dtype, st_dtype) = dtype_name(model.kind());
+    let dtype = dtype_name(model.kind());
     let mut config = model.config().clone();
     if model.head() == Head::Value {
         config.num_labels = 1;
@@ -72,33 +118,16 @@ pub fn save_pretrained(model: &Model, tokenizer: &Tokenizer, dir: &Path) -> Resu
         &config.to_json(&architecture(model), dtype),
     )?;
 
-    // Tensors: contiguous host copies, then one safetensors file.
-    let params = model.named_parameters();
-    let mut blobs: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::with_capacity(params.len());
-    for (name, t) in params {
-        let t = t
-            .detach()
-            .to_device(Device::Cpu)
-            .to_kind(model.kind())
-            .contiguous();
-        let numel = t.numel();
-        let mut bytes = vec![0u8; numel * model.kind().elt_size_in_bytes()];
-        t.f_copy_data_u8(&mut bytes, numel)?;
-        let shape = t.size().iter().map(|&d| d as usize).collect();
-        blobs.push((name, shape, bytes));
-    }
-    let st_path = dir.join("model.safetensors");
-    let views = blobs
-        .iter()
-        .map(|(name, shape, bytes)| {
-            TensorView::new(st_dtype, shape.clone(), bytes)
-                .map(|v| (name.as_str(), v))
-                .map_err(|e| Error::file(&st_path, format!("tensor `{name}`: {e:?}")))
+    // Tensors: one safetensors file in the model's dtype.
+    let params: Vec<(String, Tensor)> = model
+        .named_parameters()
+        .into_iter()
+        .map(|(name, t)| {
+            let t = t.detach().to_kind(model.kind());
+            (name, t)
         })
-        .collect::<Result<Vec<_>>>()?;
-    let metadata: HashMap<String, String> = [("format".to_owned(), "pt".to_owned())].into();
-    safetensors::tensor::serialize_to_file(views, &Some(metadata), &st_path)
-        .map_err(|e| Error::file(&st_path, format!("cannot write: {e:?}")))?;
+        .collect();
+    write_safetensors(&dir.join("model.safetensors"), &params)?;
 
     // Tokenizer: the files it came from, or the byte tokenizer written out.
     if tokenizer.is_bytes() {

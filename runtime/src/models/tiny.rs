@@ -127,11 +127,22 @@ impl TinyConfig {
 
 /// A tiny model with the given head on `device`, in f32, and its byte tokenizer.
 pub fn tiny(config: &TinyConfig, head: Head, device: Device) -> Result<(Model, Tokenizer)> {
+    tiny_in(config, head, Kind::Float, device)
+}
+
+/// A tiny model in `kind` (a model's `dtype`): the weights are drawn in f32 from the seed, as
+/// for `tiny`, and rounded once into `kind`, so a bf16 tiny model is the f32 one rounded.
+pub fn tiny_in(
+    config: &TinyConfig,
+    head: Head,
+    kind: Kind,
+    device: Device,
+) -> Result<(Model, Tokenizer)> {
     let mc = config.to_model_config()?;
     let model = Model::build(
         mc,
         head,
-        Kind::Float,
+        kind,
         device,
         Weights::Random(config.seed),
         PathBuf::from("tiny"),
@@ -165,6 +176,38 @@ mod tests {
         assert!(la.equal(&b.forward(&ids, None)));
         assert!(!la.equal(&c.forward(&ids, None)));
         assert_eq!(la.size(), vec![1, 3, BYTE_VOCAB]);
+    }
+
+    /// `dtype: bf16` on a tiny model computes in bf16: parameters, hidden states and logits
+    /// are bf16, and they are the f32 model's weights rounded once.
+    #[test]
+    fn a_bf16_tiny_model_computes_in_bf16() {
+        crate::device::set_cpu_threads(1);
+        let cfg = TinyConfig {
+            layers: 1,
+            hidden: 32,
+            heads: 2,
+            kv_heads: 1,
+            intermediate: 64,
+            ..TinyConfig::default()
+        };
+        let (f, _) = tiny(&cfg, Head::Lm, Device::Cpu).unwrap();
+        let (b, _) = tiny_in(&cfg, Head::Lm, Kind::BFloat16, Device::Cpu).unwrap();
+        assert_eq!(b.kind(), Kind::BFloat16);
+        for ((name, pf), (_, pb)) in f.named_parameters().iter().zip(b.named_parameters()) {
+            assert_eq!(pb.kind(), Kind::BFloat16, "{name}");
+            assert!(
+                pf.to_kind(Kind::BFloat16).equal(&pb),
+                "{name} is not f32 rounded"
+            );
+        }
+        let ids = Tensor::from_slice(&[256i64, 104, 105]).unsqueeze(0);
+        let (hf, hb) = tch::no_grad(|| (f.forward(&ids, None), b.forward(&ids, None)));
+        assert_eq!(hb.kind(), Kind::BFloat16);
+        assert_eq!(b.hidden_states(&ids, None).kind(), Kind::BFloat16);
+        let diff = (hf - hb.to_kind(Kind::Float)).abs().max().double_value(&[]);
+        // Close to f32 but not equal: it really computed in 8 mantissa bits.
+        assert!(diff > 0.0 && diff < 0.05, "{diff}");
     }
 
     #[test]

@@ -1,8 +1,10 @@
 //! Atomic checkpoints of a run.
 //!
 //! `RUN_DIR/checkpoints/step-NNNNNN/` holds, for every trained model, a Hugging Face directory
-//! (`models/NAME/`) and its optimizer state (`optimizer/NAME.safetensors`), plus `state.json`
-//! (step, data cursors, seed, the program's fingerprint). A checkpoint is written to a
+//! in the model's dtype (`models/NAME/`), its optimizer state (`optimizer/NAME.safetensors`)
+//! and, for a bf16 or f16 model, its f32 master weights (`master/NAME.safetensors`, under the
+//! Hugging Face names), plus `state.json` (step, data cursors, seed, the program's
+//! fingerprint). A resumed run continues from the masters, not from the rounded weights. A checkpoint is written to a
 //! temporary directory, every file and the directory are fsynced, and it is renamed into place:
 //! a directory named `step-*` is always complete, whenever the process is killed. The newest
 //! `KEEP` checkpoints are kept.
@@ -119,6 +121,16 @@ pub fn truncate_metrics(path: &Path, step: i64) -> Result<()> {
     Ok(())
 }
 
+/// The optimizer state of model `name` in checkpoint `dir`.
+pub fn optimizer_path(dir: &Path, name: &str) -> PathBuf {
+    dir.join("optimizer").join(format!("{name}.safetensors"))
+}
+
+/// The f32 master weights of a bf16 or f16 model `name` in checkpoint `dir`.
+pub fn master_path(dir: &Path, name: &str) -> PathBuf {
+    dir.join("master").join(format!("{name}.safetensors"))
+}
+
 fn step_dir_name(step: i64) -> String {
     format!("step-{step:06}")
 }
@@ -158,8 +170,8 @@ pub fn pending_dir(run_dir: &Path, step: i64) -> PathBuf {
         .join(format!(".tmp-{}", step_dir_name(step)))
 }
 
-/// Writes one trained model (a Hugging Face directory) and its optimizer state into a pending
-/// checkpoint.
+/// Writes one trained model (a Hugging Face directory in its dtype), its optimizer state and,
+/// for a bf16 or f16 model, its f32 master weights into a pending checkpoint.
 pub fn write_model(
     tmp: &Path,
     name: &str,
@@ -168,7 +180,12 @@ pub fn write_model(
     opt: &AdamW,
 ) -> Result<()> {
     save_pretrained(model, tokenizer, &tmp.join("models").join(name))?;
-    opt.save(&tmp.join("optimizer").join(format!("{name}.safetensors")))
+    opt.save(&optimizer_path(tmp, name))?;
+    if opt.has_masters() {
+        fs::create_dir_all(tmp.join("master")).map_err(|e| io(tmp, "cannot create", e))?;
+        opt.save_masters(&master_path(tmp, name))?;
+    }
+    Ok(())
 }
 
 /// Completes a pending checkpoint: `state.json`, every file and directory fsynced, then the

@@ -75,12 +75,45 @@ impl Layout {
 }
 
 /// The device a call runs on and how many of them share a node (which decides whether a
-/// collective crosses NVLink or the network). Values are in bf16 (2 bytes) unless changed.
+/// collective crosses NVLink or the network), and the bytes per element of the model the call
+/// runs (its `dtype`: weights, activations, KV cache). `CostModel::new` starts at bf16 (2
+/// bytes); the planner prices each model with its own dtype ([`CostModel::for_dtype`]).
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct CostModel {
     pub device: DeviceSpec,
     pub devices_per_node: u64,
     pub dtype_bytes: u64,
+}
+
+/// Bytes per parameter that a model holds, by role, as Braid's runtime allocates them
+/// (`braid_runtime::training::optim`). A frozen model holds its weights in its dtype. A trained
+/// model also holds gradients in its dtype, AdamW's two f32 moments and, when its dtype is
+/// narrower than f32, f32 master weights and an f32 accumulator that sums the micro-batches'
+/// gradients: 16 bytes per parameter in f32, 20 in bf16 or f16.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct ParamBytes {
+    pub weights: u64,
+    /// The gradients the backward writes, and their f32 accumulator (bf16, f16).
+    pub gradients: u64,
+    /// AdamW's moments, and the f32 masters (bf16, f16).
+    pub optimizer: u64,
+}
+
+/// [`ParamBytes`] of a model whose dtype has `dtype_bytes` bytes per element.
+pub fn param_bytes(dtype_bytes: u64, trained: bool) -> ParamBytes {
+    if !trained {
+        return ParamBytes {
+            weights: dtype_bytes,
+            gradients: 0,
+            optimizer: 0,
+        };
+    }
+    let master = if dtype_bytes < 4 { 4 } else { 0 };
+    ParamBytes {
+        weights: dtype_bytes,
+        gradients: dtype_bytes + master,
+        optimizer: 8 + master,
+    }
 }
 
 /// Times of one training step of one model, in seconds.
@@ -108,6 +141,14 @@ impl CostModel {
             device,
             devices_per_node: devices_per_node.max(1),
             dtype_bytes: 2,
+        }
+    }
+
+    /// The same device, for a model whose dtype has `dtype_bytes` bytes per element.
+    pub fn for_dtype(&self, dtype_bytes: u64) -> CostModel {
+        CostModel {
+            dtype_bytes: dtype_bytes.max(1),
+            ..self.clone()
         }
     }
 
@@ -205,7 +246,8 @@ impl CostModel {
     }
 
     /// One training step over `global_seqs` sequences of `seq_len` tokens, split over `dp`
-    /// replicas and `microbatches` micro-batches each, with 1F1B pipelining.
+    /// replicas and `microbatches` micro-batches each, with 1F1B pipelining. With `recompute`
+    /// (activation checkpointing) the backward runs each layer's forward again first.
     pub fn train_step_time(
         &self,
         model: &ModelShape,
@@ -213,6 +255,7 @@ impl CostModel {
         global_seqs: u64,
         seq_len: u64,
         microbatches: u64,
+        recompute: bool,
     ) -> TrainStepTime {
         let m = microbatches.max(1);
         let seqs_per_mb = (global_seqs as f64 / (layout.dp * m) as f64).max(1.0);
@@ -221,15 +264,18 @@ impl CostModel {
         // Backward: twice the forward FLOPs (gradients for activations and for weights), the
         // same all-reduces; weights are re-read once, so compute dominates except at tiny sizes.
         let fwd_comm = self.tp_comm(model, layout, tokens);
-        let backward = 2.0 * (forward - fwd_comm) + fwd_comm;
+        let backward =
+            2.0 * (forward - fwd_comm) + fwd_comm + if recompute { forward } else { 0.0 };
         let stages = layout.pp as f64;
         let pipeline = (m as f64 + stages - 1.0) * (forward + backward);
         let bubble_fraction = (stages - 1.0) / (m as f64 + stages - 1.0);
         let grad_bytes = self.stage_weight_bytes(model, layout);
         let grad_allreduce = self.allreduce_time(grad_bytes, layout.dp, layout.tp);
         let params_here = model.params() as f64 / (layout.tp * layout.pp) as f64;
-        // fp32 master, m, v: read and written (24 B); bf16 gradient read and weight written (4 B).
-        let optimizer = params_here * 28.0 / self.device.effective_mem_bandwidth();
+        // Master (or the f32 weight), m, v: read and written (24 B); the gradient read and the
+        // model's weight written in its dtype.
+        let optimizer = params_here * (24 + 2 * self.dtype_bytes) as f64
+            / self.device.effective_mem_bandwidth();
         TrainStepTime {
             forward,
             backward,
@@ -241,33 +287,40 @@ impl CostModel {
         }
     }
 
-    /// Memory one device needs for a call described by `use_`.
+    /// Memory one device needs for a call described by `use_`, for a model in this cost
+    /// model's dtype ([`param_bytes`] per parameter and role).
     pub fn memory(&self, model: &ModelShape, layout: Layout, use_: &MemoryUse) -> MemoryNeeds {
         let shard = (layout.tp * layout.pp) as f64;
         let params = model.params() as f64 / shard;
         let b = self.dtype_bytes as f64;
-        let weights = params * b;
-        let (gradients, optimizer) = if use_.train {
-            // AdamW with an fp32 master copy: 4 B master + 4 B m + 4 B v per parameter,
-            // optionally sharded over data-parallel ranks (ZeRO-1).
-            let opt_shard = if use_.shard_optimizer {
-                layout.dp as f64
-            } else {
-                1.0
-            };
-            (params * b, params * 12.0 / opt_shard)
+        let per = param_bytes(self.dtype_bytes, use_.train);
+        let weights = params * per.weights as f64;
+        // The optimizer's state (moments and masters) optionally sharded over data-parallel
+        // ranks (ZeRO-1).
+        let opt_shard = if use_.shard_optimizer {
+            layout.dp as f64
         } else {
-            (0.0, 0.0)
+            1.0
         };
-        // Activations kept for the backward, per layer and micro-batch, with flash attention
-        // and no recomputation: tokens · hidden · (10 + 24 / tp) bytes (Korthikanti et al.
-        // 2022, eq. 2 without the s²-term that flash attention removes). 1F1B keeps up to `pp`
-        // micro-batches in flight on the first stage.
+        let gradients = params * per.gradients as f64;
+        let optimizer = params * per.optimizer as f64 / opt_shard;
+        // Activations kept for the backward, per layer and micro-batch, with flash attention:
+        // tokens · hidden · (10 + 24 / tp) bytes in a 2-byte dtype (Korthikanti et al. 2022,
+        // eq. 2 without the s²-term that flash attention removes), scaled to the model's dtype.
+        // With activation checkpointing only each layer's input (tokens · hidden elements)
+        // stays, and one layer's activations exist while it is recomputed. 1F1B keeps up to
+        // `pp` micro-batches in flight on the first stage.
         let activations = if use_.train {
             let tokens = (use_.microbatch_seqs * use_.seq_len) as f64;
-            let per_layer = tokens * model.hidden as f64 * (10.0 + 24.0 / layout.tp as f64);
+            let per_layer =
+                tokens * model.hidden as f64 * (10.0 + 24.0 / layout.tp as f64) * b / 2.0;
             let in_flight = layout.pp.min(use_.microbatches.max(1)) as f64;
-            per_layer * (model.layers / layout.pp) as f64 * in_flight
+            let layers = (model.layers / layout.pp) as f64;
+            if use_.checkpointing {
+                tokens * model.hidden as f64 * b * layers * in_flight + per_layer
+            } else {
+                per_layer * layers * in_flight
+            }
         } else {
             0.0
         };
@@ -296,6 +349,8 @@ pub struct MemoryUse {
     pub kv_batch: u64,
     /// Tokens per sequence the cache holds (prompt + generated).
     pub kv_context: u64,
+    /// Activation checkpointing (training): each layer is recomputed in the backward.
+    pub checkpointing: bool,
 }
 
 /// The terms of a device's memory, in the order [`MemoryNeeds::fits`] adds them.
@@ -470,13 +525,13 @@ mod tests {
             tp: 1,
             pp: 4,
         };
-        let t = c.train_step_time(&m, layout, 64, 1024, 8);
+        let t = c.train_step_time(&m, layout, 64, 1024, 8, false);
         assert!((t.backward / t.forward - 2.0).abs() < 1e-9);
         assert!((t.pipeline - 11.0 * (t.forward + t.backward)).abs() < 1e-9);
         assert!((t.bubble_fraction - 3.0 / 11.0).abs() < 1e-12);
         assert!(t.grad_allreduce > 0.0 && t.optimizer > 0.0);
         assert!((t.total - (t.pipeline + t.grad_allreduce + t.optimizer)).abs() < 1e-9);
-        let more_mb = c.train_step_time(&m, layout, 64, 1024, 32);
+        let more_mb = c.train_step_time(&m, layout, 64, 1024, 32, false);
         assert!(more_mb.bubble_fraction < t.bubble_fraction);
     }
 
@@ -504,8 +559,10 @@ mod tests {
             ..MemoryUse::default()
         };
         let need = c.memory(&m, Layout::SINGLE, &use_);
-        // 2 + 2 + 12 bytes per parameter: 16 × 6.74 G = 107.8 GB.
+        // bf16 weights 2, gradients 2 + an f32 accumulator 4, moments 8 + f32 masters 4 bytes
+        // per parameter: 20 × 6.74 G = 134.8 GB.
         assert_eq!(need.weights, 2 * m.params());
+        assert_eq!(need.gradients, 6 * m.params());
         assert_eq!(need.optimizer, 12 * m.params());
         let o = need.fits(&c.device).expect_err("too big");
         assert_eq!(o.term, MemoryTerm::OptimizerState);
@@ -525,6 +582,60 @@ mod tests {
             &use_,
         );
         assert!(sharded.fits(&c.device).is_ok());
+    }
+
+    /// Each role in the bytes the runtime holds: a frozen model its weights in its dtype; a
+    /// trained f32 model no masters (16 bytes per parameter), a bf16 one f32 masters and an
+    /// f32 gradient accumulator (20); activations and the KV cache in the dtype; activation
+    /// checkpointing keeps each layer's input and one layer's activations.
+    #[test]
+    fn memory_counts_each_role_in_the_model_dtype() {
+        let c = h100_node();
+        let m = llama7b();
+        let n = m.params();
+        let frozen = MemoryUse {
+            kv_batch: 8,
+            kv_context: 1024,
+            ..MemoryUse::default()
+        };
+        for bytes in [4, 2] {
+            let need = c.for_dtype(bytes).memory(&m, Layout::SINGLE, &frozen);
+            assert_eq!(need.weights, bytes * n);
+            assert_eq!(
+                (need.gradients, need.optimizer, need.activations),
+                (0, 0, 0)
+            );
+            assert_eq!(need.kv_cache, 8 * 1024 * m.kv_bytes_per_token(bytes));
+        }
+        let train = MemoryUse {
+            train: true,
+            microbatch_seqs: 4,
+            seq_len: 2048,
+            microbatches: 1,
+            ..MemoryUse::default()
+        };
+        let f32 = c.for_dtype(4).memory(&m, Layout::SINGLE, &train);
+        let bf16 = c.for_dtype(2).memory(&m, Layout::SINGLE, &train);
+        assert_eq!(f32.weights + f32.gradients + f32.optimizer, 16 * n);
+        assert_eq!(bf16.weights + bf16.gradients + bf16.optimizer, 20 * n);
+        assert_eq!(param_bytes(2, true).optimizer, 12);
+        assert_eq!(f32.activations, 2 * bf16.activations);
+        let ck = c.for_dtype(2).memory(
+            &m,
+            Layout::SINGLE,
+            &MemoryUse {
+                checkpointing: true,
+                ..train.clone()
+            },
+        );
+        let tokens = 4 * 2048;
+        let per_layer = bf16.activations / m.layers;
+        assert_eq!(ck.activations, tokens * m.hidden * 2 * m.layers + per_layer);
+        assert!(ck.activations * 10 < bf16.activations, "{ck:?}");
+        // Recomputation costs one more forward per micro-batch.
+        let plain = c.train_step_time(&m, Layout::SINGLE, 64, 1024, 4, false);
+        let again = c.train_step_time(&m, Layout::SINGLE, 64, 1024, 4, true);
+        assert!((again.backward - plain.backward - plain.forward).abs() < 1e-12);
     }
 
     #[test]

@@ -130,7 +130,9 @@ mod tests {
             tp: 1,
             pp: 1,
         };
-        let train = cost.train_step_time(&model, layout, SAMPLES, seq, 4).total;
+        let train = cost
+            .train_step_time(&model, layout, SAMPLES, seq, 4, false)
+            .total;
         let actor = b.task("train_actor", "train", 0..8, Work::Fixed { seconds: train });
         let critic = b.task(
             "train_critic",

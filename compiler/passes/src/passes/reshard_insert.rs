@@ -57,7 +57,7 @@ impl Pass for ReshardInsert {
                 if pa.same_layout(pb) {
                     continue;
                 }
-                let (bytes, most) = reshard_bytes(&shape, a.cost.dtype_bytes, pa, pb);
+                let (bytes, most) = reshard_bytes(&shape, a.dtype_bytes(model), pa, pb);
                 let seconds = reshard_seconds(a, most, pa, pb);
                 let id = insert(
                     a,

@@ -15,7 +15,7 @@
 use braid_ir::graph::{NodeId, Op, Speculation};
 
 use crate::annotated::{Annotated, DraftKind, SpeculatePin, SpeculationDecision};
-use crate::cost::{Layout, ModelShape};
+use crate::cost::{CostModel, Layout, ModelShape};
 use crate::estimate::{self, call_size};
 use crate::passes::{Pass, PassError};
 
@@ -67,6 +67,8 @@ impl Pass for Speculate {
             let Some(shape) = a.shape(model).cloned() else {
                 continue;
             };
+            // The target's dtype; a draft model runs on the target's device in its dtype.
+            let cost = a.cost_of(model);
             let name = a.model_name(model);
             let pin = a
                 .pins
@@ -124,7 +126,8 @@ impl Pass for Speculate {
                 ),
             };
             let per_token = |b: u64, k: u64| -> f64 {
-                step_cost(a, &shape, layout, b, ctx, k, draft_shape.as_ref()) / expected(alpha, k)
+                step_cost(&cost, &shape, layout, b, ctx, k, draft_shape.as_ref())
+                    / expected(alpha, k)
             };
             let mut policy = Vec::new();
             let mut b = 1u64;
@@ -248,7 +251,7 @@ fn expected(alpha: f64, k: u64) -> f64 {
 /// step's memory traffic or the compute of all verified tokens, whichever is larger; n-gram
 /// drafts cost nothing on the device, a draft model `k` of its own decode steps.
 fn step_cost(
-    a: &Annotated,
+    cost: &CostModel,
     shape: &ModelShape,
     layout: Layout,
     b: u64,
@@ -256,16 +259,16 @@ fn step_cost(
     k: u64,
     draft: Option<&ModelShape>,
 ) -> f64 {
-    let plain = a.cost.decode_step_time(shape, layout, b, ctx);
+    let plain = cost.decode_step_time(shape, layout, b, ctx);
     if k == 0 {
         return plain;
     }
     let compute = (b * (k + 1)) as f64 * shape.forward_flops_per_token(ctx)
         / (layout.tp * layout.pp) as f64
-        / a.cost.device.effective_flops();
+        / cost.device.effective_flops();
     let verify = plain.max(compute * layout.pp as f64);
     let drafting = match draft {
-        Some(d) => k as f64 * a.cost.decode_step_time(d, layout, b, ctx),
+        Some(d) => k as f64 * cost.decode_step_time(d, layout, b, ctx),
         None => 0.0,
     };
     verify + drafting
