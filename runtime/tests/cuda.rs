@@ -163,7 +163,7 @@ fn streams_and_memory_statistics_work_on_the_gpu() {
     let big = Tensor::zeros([64, 1024, 1024], (Kind::Float, dev));
     let (now, peak) = cuda::memory(0).unwrap();
     assert!(
-        now >= before + 256 << 20 && peak >= now,
+        now >= before + (256 << 20) && peak >= now,
         "{before} {now} {peak}"
     );
     drop(big);

@@ -72,6 +72,7 @@ fn options(max_batch: usize, speculate: SpeculateMode, draft_len: Option<usize>)
         speculate,
         draft_len,
         first_prompt: 0,
+        ..EngineOptions::default()
     }
 }
 

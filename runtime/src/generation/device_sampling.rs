@@ -63,7 +63,7 @@ pub fn sample_rows(
             let positions = Tensor::arange(vocab, (Kind::Int64, device)).unsqueeze(0);
             if params.top_k > 0 && (params.top_k as i64) < vocab {
                 let keep = positions.lt(params.top_k as i64).to_kind(Kind::Double);
-                probs = probs * keep;
+                probs *= keep;
             }
             if params.top_p < 1.0 {
                 // Keep a candidate while the mass before it is under top_p of the total: the
@@ -73,7 +73,7 @@ pub fn sample_rows(
                 let keep = before
                     .f_lt_tensor(&(mass * f64::from(params.top_p)))?
                     .to_kind(Kind::Double);
-                probs = probs * keep;
+                probs *= keep;
             }
             (probs, Some(order))
         } else {
