@@ -16,7 +16,7 @@ use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
-use braid_cost::fused_pipeline::{PipelineProblem, solve};
+use braid_cost::fused_pipeline::{PipelineSpec, RealSchedule, solve};
 use braid_cost::sim::{SimOptions, to_chrome_trace, to_svg};
 use braid_passes::to_sim::{Comparison, compare};
 
@@ -244,18 +244,30 @@ fn run_pipeline(args: &PipelineArgs) -> ExitCode {
         Ok(t) => t,
         Err(e) => return fail(&args.spec, e),
     };
-    let mut problem = match PipelineProblem::from_json(&text) {
+    let mut spec = match PipelineSpec::from_json(&text) {
         Ok(p) => p,
         Err(e) => return fail(&args.spec, e),
     };
     if let Some(seed) = args.seed {
-        problem.search.seed = seed;
+        spec.search.seed = seed;
+    }
+    // The solver runs on integer ticks; real-valued durations and memory are put on the
+    // finest decimal grid that holds them (the output says which, in `grid`).
+    let (problem, grid) = match spec.to_problem() {
+        Ok(p) => p,
+        Err(e) => return fail(&args.spec, e),
+    };
+    if grid.rounded {
+        eprintln!(
+            "note: {}: values with more than six decimals were rounded to millionths",
+            args.spec.display()
+        );
     }
     let result = match solve(&problem) {
         Ok(r) => r,
         Err(e) => return fail(&args.spec, e),
     };
-    match serde_json::to_string_pretty(&result) {
+    match RealSchedule::new(&result, grid).to_json() {
         Ok(json) => {
             println!("{json}");
             ExitCode::SUCCESS

@@ -78,3 +78,52 @@ fn bad_specs_are_reported_with_the_file_name_and_exit_1() {
         assert!(out.stdout.is_empty());
     }
 }
+
+/// Profiled figures are fractional: durations and memory per micro-batch are real numbers,
+/// put on the finest decimal grid that holds them (hundredths here), and the schedule comes
+/// back in the spec's units.
+#[test]
+fn real_valued_durations_and_memory_are_solved_in_their_units() {
+    let out = sim_pipeline("fractional.json");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON on stdout");
+    assert_eq!(v["grid"]["time_ticks_per_unit"], 100);
+    assert_eq!(v["grid"]["memory_ticks_per_unit"], 100);
+    assert_eq!(v["grid"]["rounded"], false);
+    let f = |k: &str| v[k].as_f64().expect(k);
+    assert!(f("lower_bound") <= f("latency") && f("latency") <= f("serial_1f1b_latency"));
+    // Each subtask lasts its model's forward or backward; memory is a sum of 1.95s and 1.2s.
+    let durations = [[0.37, 0.74], [0.3, 0.6]];
+    for device in v["schedule"].as_array().expect("schedule") {
+        for t in device["tasks"].as_array().expect("tasks") {
+            let model = t["model"].as_u64().expect("model") as usize;
+            let k = usize::from(t["kind"] == "bwd");
+            let d = t["end"].as_f64().expect("end") - t["start"].as_f64().expect("start");
+            assert!((d - durations[model][k]).abs() < 1e-9, "{t}");
+        }
+        let peak = device["peak_memory"].as_f64().expect("peak");
+        let hundredths = (peak * 100.0).round();
+        assert!((peak * 100.0 - hundredths).abs() < 1e-6, "{peak}");
+        assert!(peak >= 1.2, "{peak}");
+    }
+    let bad = std::env::temp_dir().join(format!("braid-pipeline-neg-{}.json", std::process::id()));
+    std::fs::write(
+        &bad,
+        std::fs::read_to_string(fixture("fractional.json"))
+            .unwrap()
+            .replace("\"fwd\": 0.3,", "\"fwd\": -0.3,"),
+    )
+    .unwrap();
+    let out = braid(&["sim", "pipeline", bad.to_str().unwrap()]);
+    let _ = std::fs::remove_file(&bad);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("models[1].fwd must be a positive number"),
+        "{err}"
+    );
+}

@@ -23,6 +23,9 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
+pub mod spec;
+pub use spec::{Grid, PipelineSpec, RealSchedule};
+
 use crate::prng::Rng;
 
 /// The input: how many devices (stages) and the models that share them.
