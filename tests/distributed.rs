@@ -8,7 +8,9 @@
 #![cfg(unix)]
 
 use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
+mod common;
+use common::Tmp;
+use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -17,37 +19,8 @@ fn braid() -> Command {
     Command::new(env!("CARGO_BIN_EXE_braid"))
 }
 
-/// A test's scratch directory, removed when the test ends, whether it passes or fails
-/// (`BRAID_TEST_KEEP=1` keeps it to look at): runs write model checkpoints, and a suite that
-/// left them behind would fill the disk.
-struct Tmp(PathBuf);
-
-impl std::ops::Deref for Tmp {
-    type Target = Path;
-    fn deref(&self) -> &Path {
-        &self.0
-    }
-}
-
-impl AsRef<Path> for Tmp {
-    fn as_ref(&self) -> &Path {
-        &self.0
-    }
-}
-
-impl Drop for Tmp {
-    fn drop(&mut self) {
-        if std::env::var_os("BRAID_TEST_KEEP").is_none() {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
-    }
-}
-
 fn tmp(name: &str) -> Tmp {
-    let d = std::env::temp_dir().join(format!("braid-dist-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    Tmp(d)
+    Tmp::new("dist", name)
 }
 
 /// The pids of the ranks `braid launch` reported (`rank R pid P`).

@@ -4,6 +4,8 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod common;
+use common::Tmp;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -43,37 +45,8 @@ fn numbers(v: &serde_json::Value) -> Vec<f64> {
         .collect()
 }
 
-/// A test's scratch directory, removed when the test ends, whether it passes or fails
-/// (`BRAID_TEST_KEEP=1` keeps it to look at): runs write model checkpoints, and a suite that
-/// left them behind would fill the disk.
-struct Tmp(PathBuf);
-
-impl std::ops::Deref for Tmp {
-    type Target = Path;
-    fn deref(&self) -> &Path {
-        &self.0
-    }
-}
-
-impl AsRef<Path> for Tmp {
-    fn as_ref(&self) -> &Path {
-        &self.0
-    }
-}
-
-impl Drop for Tmp {
-    fn drop(&mut self) {
-        if std::env::var_os("BRAID_TEST_KEEP").is_none() {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
-    }
-}
-
 fn tmp(name: &str) -> Tmp {
-    let d = std::env::temp_dir().join(format!("braid-run-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    Tmp(d)
+    Tmp::new("run", name)
 }
 
 /// A run's metrics. With `BRAID_TEST_METRICS_DIR` set, each run's `metrics.jsonl` is also
