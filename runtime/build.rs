@@ -53,6 +53,7 @@ fn compile_c10d_shim(lib: &Path) {
         "csrc/c10d_nccl.cpp",
         "csrc/cuda_shim.h",
         "csrc/cuda_shim.cpp",
+        "csrc/tp_autograd.cpp",
     ] {
         println!("cargo:rerun-if-changed={file}");
     }
@@ -81,6 +82,8 @@ fn compile_c10d_shim(lib: &Path) {
         .define("USE_C10D_GLOO", None)
         .flag_if_supported("-Wno-interference-size")
         .file("csrc/c10d_shim.cpp")
+        // Tensor parallelism's differentiable collectives (autograd nodes over c10d::Backend).
+        .file("csrc/tp_autograd.cpp")
         // CUDA streams and allocator statistics: libtorch headers only (c10's device-generic
         // interfaces), so every build compiles it, with or without CUDA.
         .file("csrc/cuda_shim.cpp");

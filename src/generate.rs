@@ -5,6 +5,7 @@
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::sync::Arc;
 use std::time::Duration;
 
 use braid_runtime::dist::{GroupOptions, ProcessGroup, World};
@@ -103,6 +104,11 @@ pub struct Args {
     /// CPU threads for libtorch.
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     threads: Option<u32>,
+    /// Tensor-parallel degree: each model replica is cut over this many processes (consecutive
+    /// ranks) under `braid launch`; the replicas (processes / tp) split the prompts. The output
+    /// is the same as one process's.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    tp: u32,
 }
 
 /// Runs `braid generate`.
@@ -207,7 +213,43 @@ fn run_inner(args: &Args) -> Result<(), Error> {
         (None, None) => return Err(Error::invalid("--prompt", "give --prompt or --prompts")),
     };
     let params = sampling_params(args);
+    // Under a launcher, the processes form `world.size / tp` replicas of `tp` consecutive
+    // ranks; each replica generates a block of the prompts (each sample's random stream from
+    // its index in the whole batch, as in one process) and rank 0 prints them all.
+    let world = World::from_env().map_err(|e| Error::invalid("launch", e.to_string()))?;
+    let tp = args.tp as usize;
+    if world.size % tp != 0 {
+        return Err(Error::invalid(
+            "--tp",
+            if world.size == 1 {
+                format!(
+                    "tensor parallelism over {tp} processes needs {tp} of them: run it under \
+                     `braid launch --nproc-per-node {tp} generate …` (or torchrun)"
+                )
+            } else {
+                format!("--tp {tp} does not divide the {} processes", world.size)
+            },
+        ));
+    }
+    let (replicas, replica) = (world.size / tp, world.rank / tp);
+    let group = if world.size > 1 {
+        Some(ProcessGroup::init(
+            &world,
+            GroupOptions::gloo(Duration::from_secs(1800)),
+        )?)
+    } else {
+        None
+    };
     let (model, tokenizer) = load(&args.model, args.dtype)?;
+    let (model, tp_group) = match &group {
+        Some(g) if tp > 1 => {
+            let members: Vec<usize> = (replica * tp..(replica + 1) * tp).collect();
+            let sub = g.subgroup(&members)?;
+            let model = model.shard(Arc::new(sub.tensor_parallel()?))?;
+            (model, Some(sub))
+        }
+        _ => (model, None),
+    };
     let mut ids = Vec::with_capacity(texts.len());
     for text in &texts {
         ids.push(if args.chat {
@@ -220,11 +262,8 @@ fn run_inner(args: &Args) -> Result<(), Error> {
             tokenizer.encode(text, true)?
         });
     }
-    // Under a launcher, each rank generates a block of the prompts (each sample's random
-    // stream from its index in the whole batch, as in one process) and rank 0 prints them all.
-    let world = World::from_env().map_err(|e| Error::invalid("launch", e.to_string()))?;
-    let block = if world.size > 1 {
-        prompt_block(ids.len(), world.size, world.rank)
+    let block = if replicas > 1 {
+        prompt_block(ids.len(), replicas, replica)
     } else {
         0..ids.len()
     };
@@ -237,8 +276,7 @@ fn run_inner(args: &Args) -> Result<(), Error> {
     let many = texts.len() * args.n as usize > 1;
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
-    let samples: Box<dyn Iterator<Item = Result<Sample, Error>>> = if world.size > 1 {
-        let group = ProcessGroup::init(&world, GroupOptions::gloo(Duration::from_secs(1800)))?;
+    let samples: Box<dyn Iterator<Item = Result<Sample, Error>>> = if let Some(group) = group {
         let mine: Vec<Sample> = generate(
             &model,
             &tokenizer,
@@ -252,8 +290,17 @@ fn run_inner(args: &Args) -> Result<(), Error> {
             s
         })
         .collect();
-        let tagged: Vec<(usize, Sample)> = mine.into_iter().map(|s| (0, s)).collect();
+        // Every rank of a tensor-parallel replica generated the same samples: its first
+        // rank speaks for it.
+        let tagged: Vec<(usize, Sample)> = if world.rank % tp == 0 {
+            mine.into_iter().map(|s| (0, s)).collect()
+        } else {
+            Vec::new()
+        };
         let all = all_gather_bytes(&group, encode_samples(&tagged))?;
+        // Sub-groups are dropped, not shut down (`ProcessGroup::shutdown`).
+        drop(model);
+        drop(tp_group);
         group.shutdown()?;
         if world.rank != 0 {
             return Ok(());

@@ -42,28 +42,43 @@ fn rank_pids(stderr: &str) -> Vec<(usize, u32)> {
 /// A launched job whose processes are ended by pid when it is dropped.
 struct Job {
     child: Child,
+    stdout: Arc<Mutex<String>>,
     stderr: Arc<Mutex<String>>,
+}
+
+/// Collects `pipe`'s lines into a shared string on a thread of its own.
+fn collect(pipe: impl std::io::Read + Send + 'static) -> Arc<Mutex<String>> {
+    let text = Arc::new(Mutex::new(String::new()));
+    let sink = text.clone();
+    std::thread::spawn(move || {
+        for line in BufReader::new(pipe).lines().map_while(Result::ok) {
+            let mut s = sink.lock().unwrap();
+            s.push_str(&line);
+            s.push('\n');
+        }
+    });
+    text
 }
 
 impl Job {
     fn start(args: &[&str]) -> Job {
         let mut child = braid()
             .args(args)
-            .stdout(Stdio::null())
+            .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
             .expect("braid launch starts");
-        let stderr = Arc::new(Mutex::new(String::new()));
-        let pipe = child.stderr.take().unwrap();
-        let sink = stderr.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(pipe).lines().map_while(Result::ok) {
-                let mut s = sink.lock().unwrap();
-                s.push_str(&line);
-                s.push('\n');
-            }
-        });
-        Job { child, stderr }
+        let stdout = collect(child.stdout.take().unwrap());
+        let stderr = collect(child.stderr.take().unwrap());
+        Job {
+            child,
+            stdout,
+            stderr,
+        }
+    }
+
+    fn stdout(&self) -> String {
+        self.stdout.lock().unwrap().clone()
     }
 
     fn stderr(&self) -> String {
@@ -494,4 +509,105 @@ fn generate_on_two_ranks_prints_what_one_process_does() {
     assert_eq!(sorted(&two.stdout), sorted(&one.stdout));
     assert_eq!(String::from_utf8_lossy(&one.stdout).lines().count(), 6);
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The fixture models of braid-runtime's parity tests (Hugging Face directories made by
+/// transformers).
+fn runtime_fixture(name: &str) -> std::path::PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("runtime/tests/fixtures")
+        .join(name)
+}
+
+/// `braid generate --tp 2` under `braid launch`: on 2 processes (one replica cut in two) and
+/// on 4 (two replicas), greedy generation from Hugging Face directories of each architecture
+/// prints the texts and tokens one process prints, in the same form.
+#[test]
+fn tensor_parallel_generate_prints_what_one_process_does() {
+    let dir = tmp("generate-tp");
+    let prompts = dir.join("p.jsonl");
+    std::fs::write(&prompts, "\"one\"\n\"two prompts\"\n\"three\"\n").unwrap();
+    // What must agree exactly: everything but the log-probabilities, which are sums in another
+    // order (within 1e-4).
+    let parse = |text: &str| -> Vec<(String, Vec<f64>)> {
+        let mut v: Vec<(String, Vec<f64>)> = text
+            .lines()
+            .map(|l| {
+                let mut j: serde_json::Value = serde_json::from_str(l).unwrap();
+                let lp = j["logprobs"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|x| x.as_f64().unwrap())
+                    .collect();
+                j["logprobs"] = serde_json::Value::Null;
+                (j.to_string(), lp)
+            })
+            .collect();
+        v.sort_by(|a, b| a.0.cmp(&b.0));
+        v
+    };
+    for (model, processes) in [
+        ("llama_gqa", 2),
+        ("qwen2_bias", 2),
+        ("mistral_window", 2),
+        ("gpt2", 2),
+        ("llama_tied", 4),
+    ] {
+        let path = runtime_fixture(model);
+        let args = [
+            "generate",
+            "--model",
+            path.to_str().unwrap(),
+            "--prompts",
+            prompts.to_str().unwrap(),
+            "--greedy",
+            "--max-new-tokens",
+            "10",
+            "--format",
+            "json",
+        ];
+        let one = braid().args(args).output().unwrap();
+        assert!(
+            one.status.success(),
+            "{}",
+            String::from_utf8_lossy(&one.stderr)
+        );
+        let np = processes.to_string();
+        let mut all = vec!["launch", "--nproc-per-node", &np, "--grace", "30"];
+        all.extend_from_slice(&args);
+        all.extend_from_slice(&["--tp", "2"]);
+        let mut job = Job::start(&all);
+        let status = job.wait(Duration::from_secs(300));
+        assert!(status.success(), "{model}: {}", job.stderr());
+        let (want, got) = (
+            parse(&String::from_utf8_lossy(&one.stdout)),
+            parse(&job.stdout()),
+        );
+        assert_eq!(want.len(), 3, "{model}");
+        assert_eq!(
+            want.iter().map(|w| &w.0).collect::<Vec<_>>(),
+            got.iter().map(|g| &g.0).collect::<Vec<_>>(),
+            "{model} on {processes} processes"
+        );
+        for (w, g) in want.iter().zip(&got) {
+            for (a, b) in w.1.iter().zip(&g.1) {
+                assert!(
+                    (a - b).abs() < 1e-4,
+                    "{model}: log-probability {a} against {b}"
+                );
+            }
+        }
+    }
+    // --tp without enough processes says how to launch it.
+    let out = braid()
+        .args(["generate", "--model", "tiny", "--prompt", "a", "--tp", "2"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("braid launch --nproc-per-node 2"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }

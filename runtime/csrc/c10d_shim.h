@@ -89,6 +89,21 @@ char* braid_group_send(BraidGroup* group, void* tensor, int dst, int tag, int64_
 char* braid_group_recv(BraidGroup* group, void* tensor, int src, int tag, int64_t timeout_ms);
 char* braid_group_barrier(BraidGroup* group, int64_t timeout_ms);
 
+// Tensor parallelism (tp_autograd.cpp): a handle on a group's backend for the collectives of a
+// tensor-parallel forward, which keeps the backend alive as long as any autograd graph needs it.
+// `*out` of the three operations is a new `torch::Tensor*` the caller owns (tch's
+// `Tensor::from_ptr`). Every operation waits up to `timeout_ms` (given at creation).
+typedef struct BraidTp BraidTp;
+char* braid_tp_new(const BraidGroup* group, int64_t timeout_ms, BraidTp** out);
+void braid_tp_free(BraidTp* tp);
+// Identity forward; backward sums the gradient over the group (Megatron's `f`).
+char* braid_tp_copy(const BraidTp* tp, void* input, void** out);
+// `op` (BRAID_REDUCE_SUM or _MAX) over the group forward; backward, for a sum, passes the
+// gradient through (Megatron's `g`); a maximum refuses an input that records gradients.
+char* braid_tp_reduce(const BraidTp* tp, void* input, int op, void** out);
+// Every rank's `input` concatenated along dimension 0, in rank order; no gradient.
+char* braid_tp_all_gather(const BraidTp* tp, void* input, void** out);
+
 #ifdef __cplusplus
 }
 #endif

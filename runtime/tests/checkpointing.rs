@@ -40,10 +40,10 @@ fn take_grads(model: &Model) -> Vec<(String, Tensor)> {
 }
 
 fn max_diff(model: &Model, ids: &Tensor, mask: Option<&Tensor>) -> f64 {
-    loss(&model.forward(ids, mask)).backward();
+    loss(&model.forward(ids, mask).unwrap()).backward();
     let plain = take_grads(model);
-    let (hidden, ck) = model.hidden_states_checkpointed(ids, mask);
-    loss(&model.apply_head(&hidden)).backward();
+    let (hidden, ck) = model.hidden_states_checkpointed(ids, mask).unwrap();
+    loss(&model.apply_head(&hidden).unwrap()).backward();
     model.backward_checkpointed(ck).unwrap();
     let checkpointed = take_grads(model);
     let mut worst = 0.0f64;
@@ -139,11 +139,11 @@ fn child_peak(checkpointing: bool) -> (u64, f64) {
     let before = status_bytes("VmRSS:");
     let start = std::time::Instant::now();
     if checkpointing {
-        let (h, ck) = m.hidden_states_checkpointed(&ids, None);
-        loss(&m.apply_head(&h)).backward();
+        let (h, ck) = m.hidden_states_checkpointed(&ids, None).unwrap();
+        loss(&m.apply_head(&h).unwrap()).backward();
         m.backward_checkpointed(ck).unwrap();
     } else {
-        loss(&m.forward(&ids, None)).backward();
+        loss(&m.forward(&ids, None).unwrap()).backward();
     }
     (
         status_bytes("VmHWM:").saturating_sub(before),

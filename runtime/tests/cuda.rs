@@ -136,9 +136,9 @@ fn fused_attention_on_the_gpu_agrees_with_the_masked_path() {
     for kind in [Kind::Float, Kind::BFloat16] {
         let (m, _) = model(kind, dev);
         let ids = Tensor::arange_start(3, 131, (Kind::Int64, dev)).reshape([2, 64]);
-        let fused = tch::no_grad(|| m.forward(&ids, None)).to_kind(Kind::Float);
+        let fused = tch::no_grad(|| m.forward(&ids, None).unwrap()).to_kind(Kind::Float);
         m.set_fused_attention(false);
-        let masked = tch::no_grad(|| m.forward(&ids, None)).to_kind(Kind::Float);
+        let masked = tch::no_grad(|| m.forward(&ids, None).unwrap()).to_kind(Kind::Float);
         let d = (fused - masked).abs().max().double_value(&[]);
         let tol = if kind == Kind::Float { 1e-4 } else { 0.1 };
         assert!(d < tol, "{kind:?}: {d}");
@@ -176,7 +176,7 @@ fn offload_and_reload_go_through_pinned_memory() {
     let dev = gpu();
     let (mut m, _) = model(Kind::BFloat16, dev);
     let ids = Tensor::arange_start(3, 40, (Kind::Int64, dev)).unsqueeze(0);
-    let before = tch::no_grad(|| m.forward(&ids, None));
+    let before = tch::no_grad(|| m.forward(&ids, None).unwrap());
     m.offload().unwrap();
     for (name, t) in m.named_parameters() {
         assert_eq!(t.device(), Device::Cpu, "{name}");
@@ -186,7 +186,7 @@ fn offload_and_reload_go_through_pinned_memory() {
     for (name, t) in m.named_parameters() {
         assert_eq!(t.device(), dev, "{name}");
     }
-    assert!(tch::no_grad(|| m.forward(&ids, None)).equal(&before));
+    assert!(tch::no_grad(|| m.forward(&ids, None).unwrap()).equal(&before));
     // Checkpoint writes stage device tensors in pinned memory too.
     let copies = braid_runtime::device::host_copies(&m.named_parameters());
     assert!(copies.iter().all(|(_, t)| t.is_pinned(dev)));
@@ -219,6 +219,7 @@ fn mixed_precision_and_checkpointing_on_the_gpu() {
         let before: Vec<Tensor> = opt.masters().iter().map(|(_, t)| t.copy()).collect();
         let loss = m
             .forward(&ids, None)
+            .unwrap()
             .to_kind(Kind::Float)
             .log_softmax(-1, Kind::Float)
             .mean(Kind::Float);
@@ -260,11 +261,11 @@ fn mixed_precision_and_checkpointing_on_the_gpu() {
         cuda::reset_peak(0).unwrap();
         let (base, _) = cuda::memory(0).unwrap();
         if checkpointing {
-            let (h, ck) = m.hidden_states_checkpointed(&ids, None);
-            loss(m.apply_head(&h)).backward();
+            let (h, ck) = m.hidden_states_checkpointed(&ids, None).unwrap();
+            loss(m.apply_head(&h).unwrap()).backward();
             m.backward_checkpointed(ck).unwrap();
         } else {
-            loss(m.forward(&ids, None)).backward();
+            loss(m.forward(&ids, None).unwrap()).backward();
         }
         tch::Cuda::synchronize(0);
         let (_, peak) = cuda::memory(0).unwrap();

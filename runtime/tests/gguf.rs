@@ -205,7 +205,11 @@ fn smollm2_gguf_matches_transformers() {
         assert_eq!(out[i].token_ids, want, "greedy tokens of prompt {i}");
         let mut seq = prompts[i].clone();
         seq.extend(&want);
-        let got = tch::no_grad(|| model.forward(&Tensor::from_slice(&seq).unsqueeze(0), None));
+        let got = tch::no_grad(|| {
+            model
+                .forward(&Tensor::from_slice(&seq).unsqueeze(0), None)
+                .unwrap()
+        });
         for (r, pos) in [prompts[i].len() - 1, seq.len() - 1]
             .into_iter()
             .enumerate()
@@ -253,8 +257,8 @@ fn a_gguf_model_saves_as_a_hugging_face_directory() {
     assert_eq!(back_tok.encode(&text, false).unwrap(), ids);
     assert_eq!(back_tok.special(), tok.special());
     let input = Tensor::from_slice(&ids).unsqueeze(0);
-    let a = tch::no_grad(|| model.forward(&input, None));
-    let b = tch::no_grad(|| back.forward(&input, None));
+    let a = tch::no_grad(|| model.forward(&input, None).unwrap());
+    let b = tch::no_grad(|| back.forward(&input, None).unwrap());
     let diff = (a - b).abs().max().double_value(&[]);
     std::fs::remove_dir_all(&dir).ok();
     assert_eq!(diff, 0.0, "saved model's logits differ by {diff}");

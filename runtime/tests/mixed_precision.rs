@@ -79,6 +79,7 @@ fn train_step(model: &Model, opt: &mut AdamW, seqs: &[Rollout], adv: &[f32]) -> 
         let (ids, mask) = pad_batch(&refs, 0, Device::Cpu);
         let lsm = model
             .forward(&ids, Some(&mask))
+            .unwrap()
             .to_kind(Kind::Float)
             .log_softmax(-1, Kind::Float);
         let (mut rows, mut cols, mut targets, mut weights) = (vec![], vec![], vec![], vec![]);

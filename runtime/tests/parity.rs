@@ -56,14 +56,20 @@ fn floats(v: &Value) -> Vec<f32> {
 fn greedy_cached(model: &Model, prompt: &[i64], steps: usize) -> Vec<i64> {
     let mut cache = model.new_cache(1);
     let ids = Tensor::from_slice(prompt).unsqueeze(0);
-    let h = model.forward_cached(&mut cache, &ids, &[prompt.len() as i64]);
-    let mut logits = model.apply_head(&h.narrow(1, prompt.len() as i64 - 1, 1));
+    let h = model
+        .forward_cached(&mut cache, &ids, &[prompt.len() as i64])
+        .unwrap();
+    let mut logits = model
+        .apply_head(&h.narrow(1, prompt.len() as i64 - 1, 1))
+        .unwrap();
     let mut out = Vec::new();
     for _ in 0..steps {
         let next = logits.reshape([-1]).argmax(0, false).int64_value(&[]);
         out.push(next);
-        let h = model.forward_cached(&mut cache, &Tensor::from_slice(&[next]).unsqueeze(0), &[1]);
-        logits = model.apply_head(&h);
+        let h = model
+            .forward_cached(&mut cache, &Tensor::from_slice(&[next]).unsqueeze(0), &[1])
+            .unwrap();
+        logits = model.apply_head(&h).unwrap();
     }
     out
 }
@@ -105,7 +111,11 @@ fn check(name: &str) {
     let exp = expected(name);
     let input = ids(&exp["input_ids"]);
     let want = floats(&exp["logits"]);
-    let got = tch::no_grad(|| model.forward(&Tensor::from_slice(&input).unsqueeze(0), None));
+    let got = tch::no_grad(|| {
+        model
+            .forward(&Tensor::from_slice(&input).unsqueeze(0), None)
+            .unwrap()
+    });
     let got: Vec<f32> = Vec::try_from(
         got.to_kind(Kind::Float)
             .to_device(Device::Cpu)
@@ -210,9 +220,13 @@ fn reward_model_scores_match_transformers() {
     let want = floats(&exp["score_batch"]["scores"]);
     // One sequence at a time (no padding) and the batch (right padding) must both agree.
     for (seq, w) in seqs.iter().zip(&want) {
-        let out = tch::no_grad(|| model.forward(&Tensor::from_slice(seq).unsqueeze(0), None))
-            .to_kind(Kind::Float)
-            .to_device(Device::Cpu);
+        let out = tch::no_grad(|| {
+            model
+                .forward(&Tensor::from_slice(seq).unsqueeze(0), None)
+                .unwrap()
+        })
+        .to_kind(Kind::Float)
+        .to_device(Device::Cpu);
         let last = out.double_value(&[0, seq.len() as i64 - 1, 0]) as f32;
         assert!(
             (last - w).abs() < f32_tolerance(device()),
@@ -254,7 +268,7 @@ fn bf16_and_f16_weights_give_close_logits() {
         )
         .unwrap();
         assert_eq!(model.kind(), kind);
-        let got = tch::no_grad(|| model.forward(&input, None))
+        let got = tch::no_grad(|| model.forward(&input, None).unwrap())
             .to_kind(Kind::Float)
             .to_device(Device::Cpu)
             .reshape([-1]);

@@ -30,7 +30,11 @@ fn scratch(name: &str) -> PathBuf {
 const IDS: [i64; 7] = [256, 104, 101, 108, 108, 111, 33];
 
 fn outputs(model: &Model) -> Vec<f32> {
-    let out = tch::no_grad(|| model.forward(&Tensor::from_slice(&IDS).unsqueeze(0), None));
+    let out = tch::no_grad(|| {
+        model
+            .forward(&Tensor::from_slice(&IDS).unsqueeze(0), None)
+            .unwrap()
+    });
     Vec::try_from(out.to_kind(Kind::Float).reshape([-1])).unwrap()
 }
 

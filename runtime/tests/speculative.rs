@@ -352,7 +352,7 @@ fn chi2(
 fn exact_triples(m: &Model, prompt: &[i64], params: &SamplingParams) -> BTreeMap<Vec<i64>, f64> {
     let next = |prefix: &[i64]| -> Vec<f64> {
         let ids = Tensor::from_slice(prefix).unsqueeze(0);
-        let logits = tch::no_grad(|| m.forward(&ids, None))
+        let logits = tch::no_grad(|| m.forward(&ids, None).unwrap())
             .get(0)
             .get(prefix.len() as i64 - 1);
         let logits: Vec<f32> = Vec::try_from(logits.to_kind(Kind::Float)).unwrap();

@@ -31,8 +31,31 @@ struct BraidGroup {
     _opaque: [u8; 0],
 }
 
+#[repr(C)]
+struct BraidTp {
+    _opaque: [u8; 0],
+}
+
 unsafe extern "C" {
     fn braid_c10d_free(ptr: *mut c_void);
+    fn braid_tp_new(
+        group: *const BraidGroup,
+        timeout_ms: i64,
+        out: *mut *mut BraidTp,
+    ) -> *mut c_char;
+    fn braid_tp_free(tp: *mut BraidTp);
+    fn braid_tp_copy(tp: *const BraidTp, input: *mut c_void, out: *mut *mut c_void) -> *mut c_char;
+    fn braid_tp_reduce(
+        tp: *const BraidTp,
+        input: *mut c_void,
+        op: c_int,
+        out: *mut *mut c_void,
+    ) -> *mut c_char;
+    fn braid_tp_all_gather(
+        tp: *const BraidTp,
+        input: *mut c_void,
+        out: *mut *mut c_void,
+    ) -> *mut c_char;
     fn braid_store_tcp(
         host: *const c_char,
         host_len: usize,
@@ -456,5 +479,66 @@ impl Drop for RawGroup {
     fn drop(&mut self) {
         // SAFETY: the handle is owned by this value and freed only here.
         unsafe { braid_group_free(self.0) }
+    }
+}
+
+/// An owned tensor-parallel handle (`BraidTp`): a reference to a group's backend that the
+/// autograd nodes of `braid_tp_copy` / `braid_tp_reduce` share, so that it lives as long as any
+/// graph that needs it.
+#[derive(Debug)]
+pub(crate) struct RawTp(*mut BraidTp);
+
+// SAFETY: as for `RawGroup`: the backend is not tied to a thread; callers issue one operation
+// at a time (the model that owns the handle runs on one thread at a time).
+unsafe impl Send for RawTp {}
+// SAFETY: every method takes `&self` and the shim's state is immutable after creation; the
+// order of collectives is the callers' concern, as for a group.
+unsafe impl Sync for RawTp {}
+
+impl RawTp {
+    pub(crate) fn new(group: &RawGroup, timeout: Duration) -> FfiResult<RawTp> {
+        let mut out = std::ptr::null_mut();
+        // SAFETY: see the module documentation; the shim copies the backend reference.
+        take_error(unsafe { braid_tp_new(group.0, millis(timeout), &mut out) })?;
+        Ok(RawTp(out))
+    }
+
+    /// A tensor the shim allocated (`new at::Tensor`), owned from here on by tch.
+    fn owned(call: impl FnOnce(*mut *mut c_void) -> *mut c_char) -> FfiResult<tch::Tensor> {
+        let mut out: *mut c_void = std::ptr::null_mut();
+        take_error(call(&mut out))?;
+        if out.is_null() {
+            return Err("the tensor-parallel shim returned no tensor".into());
+        }
+        // SAFETY: on success `out` is a `torch::Tensor*` allocated with `new` for the caller,
+        // which is exactly what tch's `C_tensor` owning pointer is (torch-sys's torch_api.h).
+        Ok(unsafe { tch::Tensor::from_ptr(out.cast()) })
+    }
+
+    pub(crate) fn copy(&self, input: &tch::Tensor) -> FfiResult<tch::Tensor> {
+        // SAFETY: see the module documentation; the shim only reads `input`.
+        Self::owned(|out| unsafe { braid_tp_copy(self.0, input.as_ptr() as *mut c_void, out) })
+    }
+
+    pub(crate) fn reduce(&self, input: &tch::Tensor, op: c_int) -> FfiResult<tch::Tensor> {
+        // SAFETY: see the module documentation; the shim only reads `input`.
+        Self::owned(|out| unsafe {
+            braid_tp_reduce(self.0, input.as_ptr() as *mut c_void, op, out)
+        })
+    }
+
+    pub(crate) fn all_gather(&self, input: &tch::Tensor) -> FfiResult<tch::Tensor> {
+        // SAFETY: see the module documentation; the shim only reads `input`.
+        Self::owned(|out| unsafe {
+            braid_tp_all_gather(self.0, input.as_ptr() as *mut c_void, out)
+        })
+    }
+}
+
+impl Drop for RawTp {
+    fn drop(&mut self) {
+        // SAFETY: the handle is owned by this value and freed only here; graphs that still
+        // need the backend hold their own reference to it.
+        unsafe { braid_tp_free(self.0) }
     }
 }

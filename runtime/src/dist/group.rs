@@ -286,6 +286,28 @@ impl ProcessGroup {
         self.options.timeout
     }
 
+    /// This group as a tensor-parallel group (`dist::TensorParallel`): a handle on the same
+    /// backend for the collectives of tensor-parallel layers, which autograd graphs keep alive.
+    /// Its operations must not interleave with this group's own on another thread.
+    pub fn tensor_parallel(&self) -> Result<super::TensorParallel> {
+        if let Some(first) = self.failed.borrow().as_ref() {
+            return Err(DistError::Broken {
+                op: "tensor_parallel",
+                group: self.name.clone(),
+                first: first.clone(),
+            });
+        }
+        let raw = ffi::RawTp::new(&self.raw, self.options.timeout).map_err(DistError::Invalid)?;
+        Ok(super::TensorParallel::new(
+            raw,
+            self.rank,
+            self.global_ranks.clone(),
+            self.name.clone(),
+            self.options.timeout,
+            self.heartbeat.clone(),
+        ))
+    }
+
     /// Reduces `tensor` over the group, in place on every rank.
     pub fn all_reduce(&self, tensor: &mut Tensor, op: ReduceOp) -> Result<()> {
         check_defined("all_reduce", tensor)?;

@@ -17,11 +17,13 @@ mod ffi;
 mod group;
 mod health;
 mod store;
+mod tp;
 mod world;
 
 pub use group::{Backend, GroupOptions, ProcessGroup, ReduceOp};
 pub use health::Diagnosis;
 pub use store::Store;
+pub use tp::TensorParallel;
 pub use world::{Launcher, World, first_host};
 
 /// What can go wrong in `dist`.

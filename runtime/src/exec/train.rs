@@ -263,10 +263,10 @@ pub(super) fn train_forward(
 ) -> Result<TrainOut> {
     let (ids, mask) = infer::pad_batch(seqs, 0, model.device());
     let (hidden, checkpoint) = if checkpointing {
-        let (h, ck) = model.hidden_states_checkpointed(&ids, Some(&mask));
+        let (h, ck) = model.hidden_states_checkpointed(&ids, Some(&mask))?;
         (h, Some(ck))
     } else {
-        (model.hidden_states(&ids, Some(&mask)), None)
+        (model.hidden_states(&ids, Some(&mask))?, None)
     };
     let mut rows = Vec::new();
     let mut cols = Vec::new();
@@ -286,15 +286,12 @@ pub(super) fn train_forward(
     ]);
     match head {
         Head::Lm => {
-            let logits = model.apply_head(&h).to_kind(Kind::Float) / temperature.max(1e-6);
-            let lsm = logits.log_softmax(-1, Kind::Float);
-            let tgt = Tensor::from_slice(&targets).to_device(dev).unsqueeze(1);
-            let logp = lsm.gather(1, &tgt, false).squeeze_dim(1);
-            // With gradients: PPO's entropy bonus differentiates through it.
-            let entropy = -(lsm.exp() * &lsm).sum_dim_intlist(-1, false, Kind::Float);
+            // With gradients: PPO's entropy bonus differentiates through the entropy.
+            let (logp, entropy) =
+                model.token_logprobs(&h, &Tensor::from_slice(&targets), temperature, true)?;
             Ok(TrainOut {
                 logp: Some(logp),
-                entropy: Some(entropy),
+                entropy,
                 values: None,
                 checkpoint,
             })
@@ -302,7 +299,7 @@ pub(super) fn train_forward(
         Head::Value => Ok(TrainOut {
             logp: None,
             entropy: None,
-            values: Some(model.apply_head(&h).to_kind(Kind::Float)),
+            values: Some(model.apply_head(&h)?.to_kind(Kind::Float)),
             checkpoint,
         }),
         Head::Score => Err(Error::invalid(

@@ -447,12 +447,12 @@ impl Generation<'_> {
             }
             let ids = Tensor::from_slice(&ids).reshape([chunk.len() as i64, t]);
             let mut cache = self.model.new_cache(chunk.len());
-            let hidden = self.model.forward_cached(&mut cache, &ids, &lens);
+            let hidden = self.model.forward_cached(&mut cache, &ids, &lens)?;
             let rows = Tensor::arange(chunk.len() as i64, (Kind::Int64, hidden.device()));
             let last = Tensor::from_slice(&lens).to_device(hidden.device()) - 1;
             let logits = self
                 .model
-                .apply_head_cached(&hidden.index(&[Some(rows), Some(last)]));
+                .apply_head_cached(&hidden.index(&[Some(rows), Some(last)]))?;
             let rows = if self.on_device {
                 chunk
                     .iter()
@@ -478,11 +478,12 @@ impl Generation<'_> {
                 .spec
                 .as_ref()
                 .and_then(Speculator::draft_model)
-                .map(|draft| {
+                .map(|draft| -> Result<KvCache> {
                     let mut c = draft.new_cache(chunk.len());
-                    let _ = draft.forward_cached(&mut c, &ids, &lens);
-                    c
-                });
+                    let _ = draft.forward_cached(&mut c, &ids, &lens)?;
+                    Ok(c)
+                })
+                .transpose()?;
             self.prefilled.push(Prefilled {
                 cache,
                 draft_cache,
@@ -694,9 +695,9 @@ impl Generation<'_> {
         }
         let old_lens = self.cache.lens().to_vec();
         let ids = Tensor::from_slice(&ids).reshape([rows as i64, t as i64]);
-        let hidden = self.model.forward_cached(&mut self.cache, &ids, &valid);
+        let hidden = self.model.forward_cached(&mut self.cache, &ids, &valid)?;
         let logits = if k == 0 {
-            self.model.apply_head_cached(&hidden.squeeze_dim(1))
+            self.model.apply_head_cached(&hidden.squeeze_dim(1))?
         } else {
             // Only the positions that verify something: row r's first 1 + drafts.
             let mut at = Vec::with_capacity(valid.iter().sum::<i64>() as usize);
@@ -705,7 +706,7 @@ impl Generation<'_> {
             }
             let at = Tensor::from_slice(&at).to_device(hidden.device());
             let flat = hidden.reshape([(rows * t) as i64, -1]).index_select(0, &at);
-            self.model.apply_head_cached(&flat)
+            self.model.apply_head_cached(&flat)?
         };
         // Without drafts on the device, only each row's token and log-probability come back;
         // verification reads the logits on the host.
@@ -914,10 +915,10 @@ impl Generation<'_> {
         let mut last: Vec<i64> = valid.iter().map(|&n| (n - 1).max(0)).collect();
         for step in 0..k {
             let t0 = Instant::now();
-            let hidden = model.forward_cached(cache, &ids, &valid);
+            let hidden = model.forward_cached(cache, &ids, &valid)?;
             let r = Tensor::arange(rows as i64, (Kind::Int64, hidden.device()));
             let at = Tensor::from_slice(&last).to_device(hidden.device());
-            let logits = model.apply_head_cached(&hidden.index(&[Some(r), Some(at)]));
+            let logits = model.apply_head_cached(&hidden.index(&[Some(r), Some(at)]))?;
             let flat = to_host(&logits)?;
             draft_cost.observe(rows * ids.size()[1] as usize, t0.elapsed().as_secs_f64());
             vocab = flat.len() / rows.max(1);
@@ -1015,7 +1016,8 @@ mod tests {
         let mut seq = prompt.to_vec();
         for _ in 0..steps {
             let logits =
-                tch::no_grad(|| model.forward(&Tensor::from_slice(&seq).unsqueeze(0), None));
+                tch::no_grad(|| model.forward(&Tensor::from_slice(&seq).unsqueeze(0), None))
+                    .unwrap();
             let next = logits
                 .get(0)
                 .get(seq.len() as i64 - 1)

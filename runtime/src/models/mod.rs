@@ -9,6 +9,7 @@ pub mod config;
 pub mod dequant;
 pub mod gguf;
 pub mod model;
+pub mod parallel;
 pub mod save;
 pub mod tiny;
 pub mod tokenizer;

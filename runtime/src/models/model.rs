@@ -23,6 +23,7 @@ use crate::kernels::step;
 use crate::models::cache::KvCache;
 use crate::models::config::{Activation, Arch, ModelConfig, RopeScaling};
 use crate::models::gguf::{GgufFile, is_gguf};
+use crate::models::parallel::{Cut, Shard};
 use crate::models::weights::WeightFiles;
 use crate::rng::Rng;
 
@@ -158,6 +159,9 @@ pub struct Model {
     /// flash attention; off on the CPU, where the masked path is the one `forward_cached`'s
     /// host kernels are checked against.
     fused_attention: std::sync::atomic::AtomicBool,
+    /// Tensor parallelism: this rank's slices and its group (`models::parallel`); `None` on
+    /// one process or when the layout's `tp` is 1.
+    shard: Option<Shard>,
 }
 
 /// Collects parameters while the model is built, so that they can be filled afterwards.
@@ -597,7 +601,96 @@ impl Model {
             step_costs: std::sync::Mutex::new(CostModel::default()),
             libtorch_steps: std::sync::atomic::AtomicBool::new(false),
             fused_attention: std::sync::atomic::AtomicBool::new(device.is_cuda()),
+            shard: None,
         })
+    }
+
+    /// Cuts this model for tensor parallelism over `comm` (`models::parallel` says how): every
+    /// rank of the group calls it on the same model and keeps its slices. A group of one rank
+    /// leaves the model as it is. Refuses a model already cut, or one whose heads or
+    /// feed-forward width the group does not divide.
+    pub fn shard(mut self, comm: std::sync::Arc<crate::dist::TensorParallel>) -> Result<Model> {
+        if self.shard.is_some() {
+            return Err(Error::invalid(
+                "tensor parallelism",
+                format!("{} is already tensor-parallel", self.source.display()),
+            ));
+        }
+        if comm.size() == 1 {
+            return Ok(self);
+        }
+        let shard = Shard::new(&self.config, comm, self.device)?;
+        let arch = self.config.arch;
+        tch::no_grad(|| -> Result<()> {
+            for (name, var) in self.named_parameters() {
+                let cut = shard.cut(&name, arch);
+                if cut == Cut::Whole {
+                    continue;
+                }
+                let local = shard.slice(&var, cut)?;
+                let mut v = var.shallow_clone();
+                v.set_data(&local);
+            }
+            Ok(())
+        })?;
+        self.shard = Some(shard);
+        Ok(self)
+    }
+
+    /// The tensor-parallel degree (1 when the model is whole) and this rank's place in it.
+    pub fn tensor_parallel(&self) -> (usize, usize) {
+        match &self.shard {
+            Some(s) => (s.size as usize, s.rank as usize),
+            None => (1, 0),
+        }
+    }
+
+    /// Every parameter whole, named as in `named_parameters`: on a tensor-parallel model
+    /// gathered from the group's slices (every rank of the group must call it), otherwise the
+    /// parameters themselves, detached.
+    pub fn gather_parameters(&self) -> Result<Vec<(String, Tensor)>> {
+        self.gather_by_name(|t| t.detach())
+    }
+
+    /// The parameters' gradients whole (see `gather_parameters`); a parameter without a
+    /// gradient gives an undefined tensor on every rank.
+    pub fn gather_gradients(&self) -> Result<Vec<(String, Tensor)>> {
+        self.gather_by_name(|t| t.grad())
+    }
+
+    fn gather_by_name(&self, of: impl Fn(&Tensor) -> Tensor) -> Result<Vec<(String, Tensor)>> {
+        let mut out = Vec::new();
+        for (name, var) in self.named_parameters() {
+            let local = of(&var);
+            let whole = match &self.shard {
+                Some(s) if local.defined() => s.unslice(&local, s.cut(&name, self.config.arch))?,
+                _ => local,
+            };
+            out.push((name, whole));
+        }
+        Ok(out)
+    }
+
+    /// Log-probabilities of `targets` `[N]` and, when asked, the entropy of each row, under
+    /// `log_softmax(logits / temperature)` of this language model's head on `hidden`
+    /// `[N, hidden]`, in f32 and differentiable. Tensor-parallel models compute them from
+    /// their vocabulary slice without gathering the logits (`Shard::logprobs`).
+    pub fn token_logprobs(
+        &self,
+        hidden: &Tensor,
+        targets: &Tensor,
+        temperature: f64,
+        entropy: bool,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        let logits = self.apply_head(hidden)?.to_kind(Kind::Float) / temperature.max(1e-6);
+        let targets = targets.to_device(logits.device());
+        if let Some(s) = &self.shard {
+            return s.logprobs(&logits, &targets, entropy);
+        }
+        let lsm = logits.log_softmax(-1, Kind::Float);
+        let logp = lsm.gather(1, &targets.unsqueeze(1), false).squeeze_dim(1);
+        let ent = entropy.then(|| -(lsm.exp() * &lsm).sum_dim_intlist(-1, false, Kind::Float));
+        Ok((logp, ent))
     }
 
     /// Converts every parameter to `kind` in place and returns the values they held before,
@@ -705,7 +798,7 @@ impl Model {
         let c = &self.config;
         KvCache::new(
             c.num_layers as usize,
-            c.num_kv_heads,
+            self.kv_heads_held(),
             c.head_dim,
             rows,
             self.kind,
@@ -732,13 +825,13 @@ impl Model {
     /// `ids`: `[B, T]` int64; `attention_mask`: `[B, T]` with 1 for real tokens and 0 for
     /// padding (left or right); positions count real tokens only, so a padded sequence gives the
     /// same states as the unpadded one.
-    pub fn hidden_states(&self, ids: &Tensor, attention_mask: Option<&Tensor>) -> Tensor {
+    pub fn hidden_states(&self, ids: &Tensor, attention_mask: Option<&Tensor>) -> Result<Tensor> {
         let s = self.sequences(ids, attention_mask);
-        let mut x = self.embed_sequences(&s);
+        let mut x = self.embed_sequences(&s)?;
         for i in 0..self.num_layers() {
-            x = self.layer_on_sequences(i, x, &s);
+            x = self.layer_on_sequences(i, x, &s)?;
         }
-        self.final_norm(&x)
+        Ok(self.final_norm(&x))
     }
 
     /// [`Model::hidden_states`] with activation checkpointing, for training: the layers run
@@ -751,21 +844,22 @@ impl Model {
         &self,
         ids: &Tensor,
         attention_mask: Option<&Tensor>,
-    ) -> (Tensor, Checkpoint) {
+    ) -> Result<(Tensor, Checkpoint)> {
         let s = self.sequences(ids, attention_mask);
         // The embedding keeps its graph: its gradient is the last thing the backward adds.
-        let embedded = self.embed_sequences(&s);
+        let embedded = self.embed_sequences(&s)?;
         let mut inputs = Vec::with_capacity(self.num_layers());
         let mut x = embedded.detach();
-        tch::no_grad(|| {
+        tch::no_grad(|| -> Result<()> {
             for i in 0..self.num_layers() {
                 inputs.push(x.shallow_clone());
-                x = self.layer_on_sequences(i, x.shallow_clone(), &s);
+                x = self.layer_on_sequences(i, x.shallow_clone(), &s)?;
             }
-        });
+            Ok(())
+        })?;
         let top = x.detach().set_requires_grad(true);
         let hidden = self.final_norm(&top);
-        (
+        Ok((
             hidden,
             Checkpoint {
                 sequences: s,
@@ -773,7 +867,7 @@ impl Model {
                 inputs,
                 top,
             },
-        )
+        ))
     }
 
     /// The backward pass through the layers of a checkpointed forward (see
@@ -789,7 +883,7 @@ impl Model {
         }
         for i in (0..self.num_layers()).rev() {
             let input = ck.inputs[i].detach().set_requires_grad(true);
-            let out = self.layer_on_sequences(i, input.shallow_clone(), &ck.sequences);
+            let out = self.layer_on_sequences(i, input.shallow_clone(), &ck.sequences)?;
             (out * &upstream).f_sum(out_kind(&upstream))?.f_backward()?;
             upstream = input.grad();
             if !upstream.defined() {
@@ -856,25 +950,98 @@ impl Model {
     }
 
     /// The embeddings of the sequences' tokens (and GPT-2's positions).
-    fn embed_sequences(&self, s: &Sequences) -> Tensor {
-        match &self.body {
-            Body::Llama { embed, .. } => Tensor::embedding(embed, &s.ids, -1, false, false),
+    fn embed_sequences(&self, s: &Sequences) -> Result<Tensor> {
+        Ok(match &self.body {
+            Body::Llama { embed, .. } => self.embed_tokens(embed, &s.ids)?,
             Body::Gpt2 { wte, wpe, .. } => {
-                Tensor::embedding(wte, &s.ids, -1, false, false)
-                    + Tensor::embedding(wpe, &s.pos, -1, false, false)
+                self.embed_tokens(wte, &s.ids)? + Tensor::embedding(wpe, &s.pos, -1, false, false)
             }
+        })
+    }
+
+    /// Token embeddings: vocab-parallel under tensor parallelism.
+    fn embed_tokens(&self, table: &Tensor, ids: &Tensor) -> Result<Tensor> {
+        match &self.shard {
+            Some(s) => s.embed(table, ids),
+            None => Ok(Tensor::embedding(table, ids, -1, false, false)),
+        }
+    }
+
+    /// Key/value heads this rank holds (all of them on one process).
+    fn kv_heads_held(&self) -> i64 {
+        match &self.shard {
+            Some(s) => s.kv_heads,
+            None => self.config.num_kv_heads,
+        }
+    }
+
+    /// Query heads on this rank.
+    fn local_heads(&self) -> i64 {
+        match &self.shard {
+            Some(s) => s.heads,
+            None => self.config.num_heads,
+        }
+    }
+
+    /// Keys or values `[B, Hkv, L, D]` as this rank's queries read them: with key/value heads
+    /// kept whole under tensor parallelism, the head of each local query head's group.
+    fn kv_for_queries(&self, kv: Tensor) -> Tensor {
+        match self.shard.as_ref().and_then(|s| s.kv_map.as_ref()) {
+            Some(map) => kv.index_select(1, map),
+            None => kv,
+        }
+    }
+
+    /// A replicated activation entering column-parallel products (Megatron's `f`).
+    fn tp_enter(&self, x: &Tensor) -> Result<Tensor> {
+        match &self.shard {
+            Some(s) => Ok(s.comm.copy(x)?),
+            None => Ok(x.shallow_clone()),
+        }
+    }
+
+    /// A parameter kept whole on every rank but used partially by each (key/value projections
+    /// when the group does not divide their heads): its gradient is summed over the group.
+    fn tp_whole_param(&self, p: &Tensor) -> Result<Tensor> {
+        match &self.shard {
+            Some(s) if !s.kv_split => Ok(s.comm.copy(p)?),
+            _ => Ok(p.shallow_clone()),
+        }
+    }
+
+    /// A row-parallel product: `x · Wᵀ` summed over the group, then the whole bias.
+    fn row_linear(&self, l: &Linear, x: &Tensor, step: bool) -> Result<Tensor> {
+        match &self.shard {
+            Some(s) => {
+                let partial = s.comm.reduce_sum(&x.linear(&l.weight, None::<&Tensor>))?;
+                Ok(match &l.bias {
+                    Some(b) => partial + b,
+                    None => partial,
+                })
+            }
+            None if step => Ok(l.forward_step(x)),
+            None => Ok(l.forward(x)),
+        }
+    }
+
+    /// GPT-2's row-parallel Conv1D (weight `[in, out]`).
+    fn row_conv(&self, l: &Conv1D, x: &Tensor) -> Result<Tensor> {
+        match &self.shard {
+            Some(s) => Ok(s.comm.reduce_sum(&x.matmul(&l.weight))? + &l.bias),
+            None => Ok(l.forward(x)),
         }
     }
 
     /// Transformer layer `i` on whole sequences.
-    fn layer_on_sequences(&self, i: usize, x: Tensor, s: &Sequences) -> Tensor {
+    fn layer_on_sequences(&self, i: usize, x: Tensor, s: &Sequences) -> Result<Tensor> {
         match &self.body {
             Body::Llama { layers, .. } => {
                 let layer = &layers[i];
                 let Some((cos, sin)) = &s.rope else {
-                    return x;
+                    return Ok(x);
                 };
-                let (q, k, v) = self.llama_qkv(layer, &x, (cos, sin), false);
+                let (q, k, v) = self.llama_qkv(layer, &x, (cos, sin), false)?;
+                let (k, v) = (self.kv_for_queries(k), self.kv_for_queries(v));
                 let a = match layer.window {
                     Some(w) => {
                         let mask = build_mask(&s.pos, &s.pos, &s.valid, Some(w), Some(&s.eye));
@@ -887,7 +1054,7 @@ impl Model {
             }
             Body::Gpt2 { layers, .. } => {
                 let layer = &layers[i];
-                let (q, k, v) = self.gpt2_qkv(layer, &x);
+                let (q, k, v) = self.gpt2_qkv(layer, &x)?;
                 let a = if s.fused {
                     attend_with(&q, &k, &v, Attention::Causal)
                 } else {
@@ -914,28 +1081,42 @@ impl Model {
 
     /// Head outputs of whole sequences: logits `[B, T, V]` (Lm), values `[B, T]` (Value) or
     /// per-token scores `[B, T, num_labels]` (Score).
-    pub fn forward(&self, ids: &Tensor, attention_mask: Option<&Tensor>) -> Tensor {
-        let h = self.hidden_states(ids, attention_mask);
-        self.apply_head(&h)
+    /// Under tensor parallelism the logits are gathered whole, without gradient (training
+    /// reads log-probabilities through [`Model::token_logprobs`] instead).
+    pub fn forward(&self, ids: &Tensor, attention_mask: Option<&Tensor>) -> Result<Tensor> {
+        let h = self.hidden_states(ids, attention_mask)?;
+        let out = self.apply_head(&h)?;
+        match (&self.shard, self.head) {
+            (Some(s), Head::Lm) => s.gather_logits(&out),
+            _ => Ok(out),
+        }
     }
 
-    /// Applies this model's head to hidden states `[..., hidden]`.
-    pub fn apply_head(&self, hidden: &Tensor) -> Tensor {
-        match (self.head, &self.lm_head, &self.score) {
-            (Head::Lm, Some(w), _) => hidden.linear(w, None::<&Tensor>),
+    /// Applies this model's head to hidden states `[..., hidden]`. A tensor-parallel language
+    /// model gives its vocabulary slice of the logits `[..., ⌈V/tp⌉]` (padding columns hold
+    /// zeros' products; `Shard::logprobs` masks them).
+    pub fn apply_head(&self, hidden: &Tensor) -> Result<Tensor> {
+        Ok(match (self.head, &self.lm_head, &self.score) {
+            (Head::Lm, Some(w), _) => self.tp_enter(hidden)?.linear(w, None::<&Tensor>),
             (Head::Value, _, Some(w)) => hidden.linear(w, None::<&Tensor>).squeeze_dim(-1),
             (_, _, Some(w)) => hidden.linear(w, None::<&Tensor>),
             // Unreachable by construction: `build` creates the weight each head needs.
             _ => hidden.shallow_clone(),
-        }
+        })
     }
 
     /// `apply_head` for hidden states of a cached step (`forward_cached`), without gradients:
-    /// the language-model head of a few rows on the CPU goes through Braid's kernel.
-    pub fn apply_head_cached(&self, hidden: &Tensor) -> Tensor {
-        tch::no_grad(|| match (self.head, &self.lm_head) {
-            (Head::Lm, Some(w)) if self.host_step_enabled() => {
-                gemm::linear(hidden, w, None).unwrap_or_else(|| self.apply_head(hidden))
+    /// the language-model head of a few rows on the CPU goes through Braid's kernel. A
+    /// tensor-parallel language model gathers the whole logits (every rank of the group gets
+    /// the same bytes, so every rank samples the same token).
+    pub fn apply_head_cached(&self, hidden: &Tensor) -> Result<Tensor> {
+        tch::no_grad(|| match (self.head, &self.lm_head, &self.shard) {
+            (Head::Lm, Some(_), Some(s)) => s.gather_logits(&self.apply_head(hidden)?),
+            (Head::Lm, Some(w), None) if self.host_step_enabled() => {
+                match gemm::linear(hidden, w, None) {
+                    Some(t) => Ok(t),
+                    None => self.apply_head(hidden),
+                }
             }
             _ => self.apply_head(hidden),
         })
@@ -945,11 +1126,21 @@ impl Model {
     /// `[rows, T, hidden]` of the new tokens. Row `r` advances by `valid[r]` positions: a
     /// right-padded prefill passes each prompt's true length, and the pad tokens' entries stay
     /// past the row's length, where the mask hides them. Runs under `no_grad`.
-    pub fn forward_cached(&self, cache: &mut KvCache, ids: &Tensor, valid: &[i64]) -> Tensor {
+    pub fn forward_cached(
+        &self,
+        cache: &mut KvCache,
+        ids: &Tensor,
+        valid: &[i64],
+    ) -> Result<Tensor> {
         tch::no_grad(|| self.forward_cached_inner(cache, ids, valid))
     }
 
-    fn forward_cached_inner(&self, cache: &mut KvCache, ids: &Tensor, valid: &[i64]) -> Tensor {
+    fn forward_cached_inner(
+        &self,
+        cache: &mut KvCache,
+        ids: &Tensor,
+        valid: &[i64],
+    ) -> Result<Tensor> {
         let dev = self.device;
         let (b, t) = ids.size2().unwrap_or((0, 0));
         let lens = cache.lens().to_vec();
@@ -961,10 +1152,10 @@ impl Model {
             && let Some(out) = self.llama_host_step(cache, ids, &lens)
         {
             cache.advance(valid);
-            return out;
+            return Ok(out);
         }
         let cap = cache.capacity();
-        let hkv = self.config.num_kv_heads;
+        let hkv = self.kv_heads_held();
         let hd = self.config.head_dim;
         // Where the new keys go: row-major over (row, kv head, new token).
         let mut bh = Vec::with_capacity((b * hkv * t) as usize);
@@ -1023,15 +1214,17 @@ impl Model {
                 inv_freq,
             } => {
                 let (cos, sin) = self.rope(inv_freq, &pos);
-                let mut x = Tensor::embedding(embed, &ids, -1, false, false);
+                let mut x = self.embed_tokens(embed, &ids)?;
                 for (l, layer) in layers.iter().enumerate() {
                     let mask = if layer.window.is_some() {
                         mask_for(layer.window)
                     } else {
                         full.shallow_clone()
                     };
-                    let (q, k, v) = self.llama_qkv(layer, &x, (&cos, &sin), kernels);
+                    let (q, k, v) = self.llama_qkv(layer, &x, (&cos, &sin), kernels)?;
                     let (kc, vc) = write_and_read(cache, l, &k, &v);
+                    let (k, v) = (self.kv_for_queries(k), self.kv_for_queries(v));
+                    let (kc, vc) = (self.kv_for_queries(kc), self.kv_for_queries(vc));
                     let a = (few_queries && layer.window.is_none())
                         .then(|| decode_attention(&q, &cache.keys[l], &cache.values[l], &lens))
                         .flatten()
@@ -1042,7 +1235,7 @@ impl Model {
                                 attend(&q, &kc, &vc, &mask)
                             }
                         });
-                    x = self.llama_rest(layer, x, &a, kernels);
+                    x = self.llama_rest(layer, x, &a, kernels)?;
                 }
                 rms_norm(&x, norm, self.config.norm_eps)
             }
@@ -1052,10 +1245,10 @@ impl Model {
                 layers,
                 ln_f,
             } => {
-                let mut x = Tensor::embedding(wte, &ids, -1, false, false)
-                    + Tensor::embedding(wpe, &pos, -1, false, false);
+                let mut x =
+                    self.embed_tokens(wte, &ids)? + Tensor::embedding(wpe, &pos, -1, false, false);
                 for (l, layer) in layers.iter().enumerate() {
-                    let (q, k, v) = self.gpt2_qkv(layer, &x);
+                    let (q, k, v) = self.gpt2_qkv(layer, &x)?;
                     let (kc, vc) = write_and_read(cache, l, &k, &v);
                     let a = few_queries
                         .then(|| decode_attention(&q, &cache.keys[l], &cache.values[l], &lens))
@@ -1067,7 +1260,7 @@ impl Model {
                                 attend(&q, &kc, &vc, &full)
                             }
                         });
-                    x = self.gpt2_rest(layer, x, &a);
+                    x = self.gpt2_rest(layer, x, &a)?;
                 }
                 x.layer_norm(
                     [self.config.hidden_size],
@@ -1079,16 +1272,19 @@ impl Model {
             }
         };
         cache.advance(valid);
-        out
+        Ok(out)
     }
 
     /// Whether cached steps may use Braid's CPU kernels: the host-memory step (`step.rs`), the
     /// product kernel (`gemm.rs`) and the attention kernel (`attention.rs`). Tests and
     /// benchmarks turn them off to compare with libtorch operations.
     fn host_step_enabled(&self) -> bool {
-        !self
-            .libtorch_steps
-            .load(std::sync::atomic::Ordering::Relaxed)
+        // Tensor-parallel layers reduce over their group between products, which the host
+        // kernels do not.
+        self.shard.is_none()
+            && !self
+                .libtorch_steps
+                .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Whether whole-sequence passes and fresh prefills may use fused causal attention.
@@ -1234,10 +1430,10 @@ impl Model {
         x: &Tensor,
         (cos, sin): (&Tensor, &Tensor),
         step: bool,
-    ) -> (Tensor, Tensor, Tensor) {
+    ) -> Result<(Tensor, Tensor, Tensor)> {
         let c = &self.config;
         let (b, t, _) = x.size3().unwrap_or((0, 0, 0));
-        let h = rms_norm(x, &layer.input_norm, c.norm_eps);
+        let h = self.tp_enter(&rms_norm(x, &layer.input_norm, c.norm_eps))?;
         let lin = |l: &Linear| {
             if step {
                 l.forward_step(&h)
@@ -1245,22 +1441,41 @@ impl Model {
                 l.forward(&h)
             }
         };
+        let kv = |l: &Linear| -> Result<Tensor> {
+            if self.shard.is_none() {
+                return Ok(lin(l));
+            }
+            let w = self.tp_whole_param(&l.weight)?;
+            let bias = l
+                .bias
+                .as_ref()
+                .map(|b| self.tp_whole_param(b))
+                .transpose()?;
+            Ok(h.linear(&w, bias.as_ref()))
+        };
+        let (heads, kv_heads) = (self.local_heads(), self.kv_heads_held());
         let q = lin(&layer.q)
-            .view([b, t, c.num_heads, c.head_dim])
+            .view([b, t, heads, c.head_dim])
             .transpose(1, 2);
-        let k = lin(&layer.k)
-            .view([b, t, c.num_kv_heads, c.head_dim])
+        let k = kv(&layer.k)?
+            .view([b, t, kv_heads, c.head_dim])
             .transpose(1, 2);
-        let v = lin(&layer.v)
-            .view([b, t, c.num_kv_heads, c.head_dim])
+        let v = kv(&layer.v)?
+            .view([b, t, kv_heads, c.head_dim])
             .transpose(1, 2);
         let q = apply_rope(&q, cos, sin);
         let k = apply_rope(&k, cos, sin);
-        (q, k, v)
+        Ok((q, k, v))
     }
 
     /// The rest of a Llama layer after attention; `step` as in `llama_qkv`.
-    fn llama_rest(&self, layer: &LlamaLayer, x: Tensor, attn: &Tensor, step: bool) -> Tensor {
+    fn llama_rest(
+        &self,
+        layer: &LlamaLayer,
+        x: Tensor,
+        attn: &Tensor,
+        step: bool,
+    ) -> Result<Tensor> {
         let lin = |l: &Linear, x: &Tensor| {
             if step {
                 l.forward_step(x)
@@ -1268,41 +1483,43 @@ impl Model {
                 l.forward(x)
             }
         };
-        let x = x + lin(&layer.o, attn);
-        let h = rms_norm(&x, &layer.post_norm, self.config.norm_eps);
-        let m = lin(
+        let x = x + self.row_linear(&layer.o, attn, step)?;
+        let h = self.tp_enter(&rms_norm(&x, &layer.post_norm, self.config.norm_eps))?;
+        let m = self.row_linear(
             &layer.down,
             &(lin(&layer.gate, &h).silu() * lin(&layer.up, &h)),
-        );
-        x + m
+            step,
+        )?;
+        Ok(x + m)
     }
 
-    fn gpt2_qkv(&self, layer: &Gpt2Layer, x: &Tensor) -> (Tensor, Tensor, Tensor) {
+    fn gpt2_qkv(&self, layer: &Gpt2Layer, x: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
         let c = &self.config;
         let (b, t, _) = x.size3().unwrap_or((0, 0, 0));
-        let h = x.layer_norm(
+        let h = self.tp_enter(&x.layer_norm(
             [c.hidden_size],
             Some(&layer.ln1.0),
             Some(&layer.ln1.1),
             c.norm_eps,
             false,
-        );
+        ))?;
+        let heads = self.local_heads();
         let qkv = layer.c_attn.forward(&h);
-        let parts = qkv.split(c.hidden_size, 2);
-        let shape = |t_: &Tensor| t_.view([b, t, c.num_heads, c.head_dim]).transpose(1, 2);
-        (shape(&parts[0]), shape(&parts[1]), shape(&parts[2]))
+        let parts = qkv.split(heads * c.head_dim, 2);
+        let shape = |t_: &Tensor| t_.view([b, t, heads, c.head_dim]).transpose(1, 2);
+        Ok((shape(&parts[0]), shape(&parts[1]), shape(&parts[2])))
     }
 
-    fn gpt2_rest(&self, layer: &Gpt2Layer, x: Tensor, attn: &Tensor) -> Tensor {
+    fn gpt2_rest(&self, layer: &Gpt2Layer, x: Tensor, attn: &Tensor) -> Result<Tensor> {
         let c = &self.config;
-        let x = x + layer.attn_proj.forward(attn);
-        let h = x.layer_norm(
+        let x = x + self.row_conv(&layer.attn_proj, attn)?;
+        let h = self.tp_enter(&x.layer_norm(
             [c.hidden_size],
             Some(&layer.ln2.0),
             Some(&layer.ln2.1),
             c.norm_eps,
             false,
-        );
+        ))?;
         let h = layer.fc.forward(&h);
         let h = match c.activation {
             Activation::GeluTanh => h.gelu("tanh"),
@@ -1310,7 +1527,7 @@ impl Model {
             Activation::Relu => h.relu(),
             Activation::Silu => h.silu(),
         };
-        x + layer.mlp_proj.forward(&h)
+        Ok(x + self.row_conv(&layer.mlp_proj, &h)?)
     }
 
     /// The tensors to save, by Hugging Face name (a tied `lm_head.weight` is not listed: it is
@@ -1416,6 +1633,7 @@ mod tests {
         let mask = Tensor::from_slice(&[1i64, 1, 1, 1, 0, 0]).reshape([2, 3]);
         let loss = m
             .forward(&ids, Some(&mask))
+            .unwrap()
             .log_softmax(-1, Kind::Float)
             .mean(Kind::Float);
         loss.backward();
@@ -1434,13 +1652,16 @@ mod tests {
         crate::device::set_cpu_threads(1);
         let (m, _) = tiny(&TinyConfig::default(), Head::Lm, Device::Cpu).unwrap();
         let seq = [256i64, 72, 105, 33];
-        let plain = tch::no_grad(|| m.forward(&Tensor::from_slice(&seq).unsqueeze(0), None));
+        let plain = tch::no_grad(|| {
+            m.forward(&Tensor::from_slice(&seq).unsqueeze(0), None)
+                .unwrap()
+        });
         let left = Tensor::from_slice(&[258i64, 258, 256, 72, 105, 33]).unsqueeze(0);
         let left_mask = Tensor::from_slice(&[0i64, 0, 1, 1, 1, 1]).unsqueeze(0);
         let right = Tensor::from_slice(&[256i64, 72, 105, 33, 258, 258]).unsqueeze(0);
         let right_mask = Tensor::from_slice(&[1i64, 1, 1, 1, 0, 0]).unsqueeze(0);
-        let l = tch::no_grad(|| m.forward(&left, Some(&left_mask))).narrow(1, 2, 4);
-        let r = tch::no_grad(|| m.forward(&right, Some(&right_mask))).narrow(1, 0, 4);
+        let l = tch::no_grad(|| m.forward(&left, Some(&left_mask)).unwrap()).narrow(1, 2, 4);
+        let r = tch::no_grad(|| m.forward(&right, Some(&right_mask)).unwrap()).narrow(1, 0, 4);
         assert!(plain.allclose(&l, 1e-5, 1e-5, false));
         assert!(plain.allclose(&r, 1e-5, 1e-5, false));
     }
@@ -1468,14 +1689,14 @@ mod tests {
             // positions valid in every row are compared (what pad positions compute is not
             // specified).
             let prompt = Tensor::arange_start(3, 63, (Kind::Int64, Device::Cpu)).reshape([3, 20]);
-            let prefill = m.forward_cached(&mut cache, &prompt, &[20, 7, 13]);
+            let prefill = m.forward_cached(&mut cache, &prompt, &[20, 7, 13]).unwrap();
             let mut outs = vec![prefill.narrow(1, 0, 7)];
             for step in 0..4i64 {
                 let ids = Tensor::from_slice(&[step + 60, step + 70, step + 80]).unsqueeze(1);
-                outs.push(m.forward_cached(&mut cache, &ids, &[1, 1, 1]));
+                outs.push(m.forward_cached(&mut cache, &ids, &[1, 1, 1]).unwrap());
             }
             let block = Tensor::arange_start(100, 112, (Kind::Int64, Device::Cpu)).reshape([3, 4]);
-            outs.push(m.forward_cached(&mut cache, &block, &[4, 4, 4]));
+            outs.push(m.forward_cached(&mut cache, &block, &[4, 4, 4]).unwrap());
             m.set_libtorch_steps(false);
             (outs, cache.lens().to_vec())
         };
@@ -1517,10 +1738,10 @@ mod tests {
         let run = |fused: bool| {
             m.set_fused_attention(fused);
             m.set_libtorch_steps(true);
-            let padded = tch::no_grad(|| m.forward(&ids, Some(&mask)));
-            let plain = tch::no_grad(|| m.forward(&ids, None));
+            let padded = tch::no_grad(|| m.forward(&ids, Some(&mask)).unwrap());
+            let plain = tch::no_grad(|| m.forward(&ids, None).unwrap());
             let mut cache = m.new_cache(2);
-            let prefill = m.forward_cached(&mut cache, &ids, &[18, 11]);
+            let prefill = m.forward_cached(&mut cache, &ids, &[18, 11]).unwrap();
             m.set_fused_attention(false);
             m.set_libtorch_steps(false);
             (padded, plain, prefill)
@@ -1553,13 +1774,15 @@ mod tests {
         let (m, _) = tiny(&TinyConfig::default(), Head::Lm, Device::Cpu).unwrap();
         let mut cache = m.new_cache(1);
         let prompt = Tensor::from_slice(&[256i64, 10, 20, 30]).unsqueeze(0);
-        let _ = m.forward_cached(&mut cache, &prompt, &[4]);
+        let _ = m.forward_cached(&mut cache, &prompt, &[4]).unwrap();
         // Append three drafted tokens at once, then roll back two and re-append one.
         let drafts = Tensor::from_slice(&[40i64, 50, 60]).unsqueeze(0);
-        let h3 = m.forward_cached(&mut cache, &drafts, &[3]);
+        let h3 = m.forward_cached(&mut cache, &drafts, &[3]).unwrap();
         assert_eq!(cache.lens(), &[7]);
         cache.truncate(0, 5).unwrap();
-        let h1 = m.forward_cached(&mut cache, &Tensor::from_slice(&[50i64]).unsqueeze(0), &[1]);
+        let h1 = m
+            .forward_cached(&mut cache, &Tensor::from_slice(&[50i64]).unsqueeze(0), &[1])
+            .unwrap();
         assert!(h3.narrow(1, 1, 1).allclose(&h1, 1e-5, 1e-5, false));
         assert!(cache.truncate(0, 9).is_err());
     }

@@ -119,9 +119,9 @@ fn check(
 
 /// Hidden states `[sum of completion lengths, hidden]` at the positions that predict each
 /// completion token, for one micro-batch, in order.
-fn completion_hidden(model: &Model, batch: &[&Rollout]) -> Tensor {
+fn completion_hidden(model: &Model, batch: &[&Rollout]) -> Result<Tensor> {
     let (ids, mask) = pad_batch(batch, 0, model.device());
-    let hidden = model.hidden_states(&ids, Some(&mask));
+    let hidden = model.hidden_states(&ids, Some(&mask))?;
     let mut rows = Vec::new();
     let mut cols = Vec::new();
     for (b, r) in batch.iter().enumerate() {
@@ -132,10 +132,10 @@ fn completion_hidden(model: &Model, batch: &[&Rollout]) -> Tensor {
         }
     }
     let dev = model.device();
-    hidden.index(&[
+    Ok(hidden.index(&[
         Some(Tensor::from_slice(&rows).to_device(dev)),
         Some(Tensor::from_slice(&cols).to_device(dev)),
-    ])
+    ]))
 }
 
 fn split(flat: Vec<f32>, batch: &[&Rollout], out: &mut Vec<Vec<f32>>) {
@@ -167,13 +167,10 @@ pub fn logprobs(model: &Model, seqs: &[Rollout], options: &InferOptions) -> Resu
             if targets.is_empty() {
                 return Ok(Vec::new());
             }
-            let h = completion_hidden(model, &batch);
-            let logits = model.apply_head(&h).to_kind(Kind::Float) / f64::from(options.temperature);
-            let lp = logits.log_softmax(-1, Kind::Float);
-            let t = Tensor::from_slice(&targets)
-                .to_device(model.device())
-                .unsqueeze(1);
-            host(&lp.gather(1, &t, false))
+            let h = completion_hidden(model, &batch)?;
+            let t = Tensor::from_slice(&targets);
+            let (lp, _) = model.token_logprobs(&h, &t, f64::from(options.temperature), false)?;
+            host(&lp)
         })?;
         split(flat, &batch, &mut out);
     }
@@ -189,7 +186,7 @@ pub fn values(critic: &Model, seqs: &[Rollout], options: &InferOptions) -> Resul
         let any = batch.iter().any(|r| !r.completion.is_empty());
         let flat = tch::no_grad(|| {
             if any {
-                host(&critic.apply_head(&completion_hidden(critic, &batch)))
+                host(&critic.apply_head(&completion_hidden(critic, &batch)?)?)
             } else {
                 Ok(Vec::new())
             }
@@ -207,12 +204,12 @@ pub fn score(rm: &Model, seqs: &[Rollout], options: &InferOptions) -> Result<Vec
         let batch: Vec<&Rollout> = chunk.iter().collect();
         let flat = tch::no_grad(|| {
             let (ids, mask) = pad_batch(&batch, 0, rm.device());
-            let hidden = rm.hidden_states(&ids, Some(&mask));
+            let hidden = rm.hidden_states(&ids, Some(&mask))?;
             let dev = rm.device();
             let rows = Tensor::arange(batch.len() as i64, (Kind::Int64, dev));
             let last: Vec<i64> = batch.iter().map(|r| r.len() as i64 - 1).collect();
             let h = hidden.index(&[Some(rows), Some(Tensor::from_slice(&last).to_device(dev))]);
-            host(&rm.apply_head(&h).select(1, 0))
+            host(&rm.apply_head(&h)?.select(1, 0))
         })?;
         out.extend(flat);
     }
@@ -347,6 +344,7 @@ mod tests {
         let r = &rollouts()[0];
         let ids: Vec<i64> = r.prompt.iter().chain(&r.completion).copied().collect();
         let lp = tch::no_grad(|| m.forward(&Tensor::from_slice(&ids).unsqueeze(0), None))
+            .unwrap()
             .log_softmax(-1, Kind::Float);
         let got = logprobs(&m, std::slice::from_ref(r), &InferOptions::default()).unwrap();
         for (i, &tok) in r.completion.iter().enumerate() {

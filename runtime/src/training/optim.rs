@@ -623,6 +623,7 @@ mod tests {
         let ids = Tensor::from_slice(&[256i64, 1, 2, 3]).unsqueeze(0);
         let loss = |m: &crate::models::model::Model| {
             m.forward(&ids, None)
+                .unwrap()
                 .to_kind(Kind::Float)
                 .log_softmax(-1, Kind::Float)
                 .mean(Kind::Float)
