@@ -51,6 +51,7 @@ mod comm;
 mod compute;
 pub mod data;
 mod eval;
+pub mod realloc;
 mod record;
 mod reshard;
 mod setup;
