@@ -10,6 +10,7 @@ pub mod dequant;
 pub mod gguf;
 pub mod model;
 pub mod parallel;
+pub mod pipeline;
 pub mod save;
 pub mod tiny;
 pub mod tokenizer;

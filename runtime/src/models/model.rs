@@ -162,6 +162,9 @@ pub struct Model {
     /// Tensor parallelism: this rank's slices and its group (`models::parallel`); `None` on
     /// one process or when the layout's `tp` is 1.
     shard: Option<Shard>,
+    /// Pipeline parallelism: the stage this model keeps the parameters of, of how many
+    /// (`Model::retain_stage`); `None` when it holds every layer.
+    stage: Option<(usize, usize)>,
 }
 
 /// Collects parameters while the model is built, so that they can be filled afterwards.
@@ -602,6 +605,7 @@ impl Model {
             libtorch_steps: std::sync::atomic::AtomicBool::new(false),
             fused_attention: std::sync::atomic::AtomicBool::new(device.is_cuda()),
             shard: None,
+            stage: None,
         })
     }
 
@@ -637,6 +641,105 @@ impl Model {
         Ok(self)
     }
 
+    /// The layers pipeline stage `stage` of `stages` runs: `stage·L/stages ..
+    /// (stage+1)·L/stages`, as the planner splits them (`braid_ir::transfer`).
+    pub fn stage_layers(&self, stage: usize, stages: usize) -> Result<std::ops::Range<usize>> {
+        let layers = self.num_layers();
+        if stages == 0 || stage >= stages || layers % stages != 0 {
+            return Err(Error::invalid(
+                "pipeline parallelism",
+                format!(
+                    "{layers} layers do not split into {stages} equal stages (pp must divide the layer count)"
+                ),
+            ));
+        }
+        let per = layers / stages;
+        Ok(stage * per..(stage + 1) * per)
+    }
+
+    /// Whether pipeline stage `stage` of `stages` keeps parameter `name`: its layers'; the
+    /// embedding on the first stage (and the last, when tied to the head); the final norm and
+    /// the head on the last; GPT-2's position embedding on the first.
+    fn stage_holds(&self, name: &str, stage: usize, stages: usize) -> bool {
+        let last = stage + 1 == stages;
+        let layer = name
+            .strip_prefix("model.layers.")
+            .or_else(|| name.strip_prefix("transformer.h."))
+            .and_then(|rest| rest.split('.').next())
+            .and_then(|i| i.parse::<usize>().ok());
+        if let Some(i) = layer {
+            let per = self.num_layers() / stages.max(1);
+            return i / per.max(1) == stage;
+        }
+        match name {
+            "model.embed_tokens.weight" | "transformer.wte.weight" => {
+                stage == 0 || (last && self.config.tie_word_embeddings && self.head == Head::Lm)
+            }
+            "transformer.wpe.weight" => stage == 0,
+            _ => last,
+        }
+    }
+
+    /// Releases the parameters pipeline stage `stage` of `stages` does not run (their tensors
+    /// become empty), so that a stage holds only its share of the model; `held_parameters`
+    /// lists what stays.
+    pub fn retain_stage(&mut self, stage: usize, stages: usize) -> Result<()> {
+        self.stage_layers(stage, stages)?;
+        tch::no_grad(|| -> Result<()> {
+            for (name, var) in self.named_parameters() {
+                if !self.stage_holds(&name, stage, stages) {
+                    let empty = Tensor::f_empty([0], (var.kind(), var.device()))?;
+                    let mut v = var.shallow_clone();
+                    v.set_data(&empty);
+                }
+            }
+            Ok(())
+        })?;
+        self.stage = Some((stage, stages));
+        Ok(())
+    }
+
+    /// The parameters this rank holds: all of them, or a pipeline stage's share.
+    pub fn held_parameters(&self) -> Vec<(String, Tensor)> {
+        self.named_parameters()
+            .into_iter()
+            .filter(|(name, _)| match self.stage {
+                Some((s, n)) => self.stage_holds(name, s, n),
+                None => true,
+            })
+            .collect()
+    }
+
+    /// The token embedding's parameter (the head's too when tied).
+    pub fn embedding_parameter(&self) -> Option<Tensor> {
+        match &self.body {
+            Body::Llama { embed, .. } => Some(embed.shallow_clone()),
+            Body::Gpt2 { wte, .. } => Some(wte.shallow_clone()),
+        }
+    }
+
+    /// A pipeline stage's forward on whole sequences: the embedding of `ids` (first stage,
+    /// `input` `None`) or `input` `[B, T, hidden]`, through `layers`, then the final norm when
+    /// `last`. Positions and masks come from `ids` and `attention_mask` on every stage.
+    pub fn stage_forward(
+        &self,
+        ids: &Tensor,
+        attention_mask: Option<&Tensor>,
+        input: Option<&Tensor>,
+        layers: std::ops::Range<usize>,
+        last: bool,
+    ) -> Result<Tensor> {
+        let s = self.sequences(ids, attention_mask);
+        let mut x = match input {
+            Some(x) => x.shallow_clone(),
+            None => self.embed_sequences(&s)?,
+        };
+        for i in layers {
+            x = self.layer_on_sequences(i, x, &s)?;
+        }
+        Ok(if last { self.final_norm(&x) } else { x })
+    }
+
     /// The tensor-parallel degree (1 when the model is whole) and this rank's place in it.
     pub fn tensor_parallel(&self) -> (usize, usize) {
         match &self.shard {
@@ -645,7 +748,7 @@ impl Model {
         }
     }
 
-    /// Every parameter whole, named as in `named_parameters`: on a tensor-parallel model
+    /// Every parameter this rank holds (`held_parameters`) whole: on a tensor-parallel model
     /// gathered from the group's slices (every rank of the group must call it), otherwise the
     /// parameters themselves, detached.
     pub fn gather_parameters(&self) -> Result<Vec<(String, Tensor)>> {
@@ -660,7 +763,7 @@ impl Model {
 
     fn gather_by_name(&self, of: impl Fn(&Tensor) -> Tensor) -> Result<Vec<(String, Tensor)>> {
         let mut out = Vec::new();
-        for (name, var) in self.named_parameters() {
+        for (name, var) in self.held_parameters() {
             let local = of(&var);
             let whole = match &self.shard {
                 Some(s) if local.defined() => s.unslice(&local, s.cut(&name, self.config.arch))?,

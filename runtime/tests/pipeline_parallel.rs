@@ -1,0 +1,251 @@
+//! Pipeline parallelism against one process: on 2 Gloo ranks, each architecture's fixture
+//! split into 2 stages and trained by 1F1B over 3 micro-batches gives the whole model's losses,
+//! final hidden states and gradients (each stage's parameters) within 1e-5; on 4 ranks a
+//! `tp 2 × pp 2` layout's training step (gradients, then the same SGD update) equals the
+//! one-process step. Each rank compares with the whole model it loads itself. The harness is
+//! `ranks/`.
+
+#![allow(clippy::unwrap_used)] // Test helpers: a failed unwrap is a failed test.
+
+mod ranks;
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use braid_runtime::dist::ProcessGroup;
+use braid_runtime::models::pipeline::{MicroBatch, Pipeline};
+use braid_runtime::{LoadOptions, Model};
+use ranks::{Ranks, child_rank, serial, world_group};
+use tch::{Device, Kind, Tensor};
+
+/// As in tensor_parallel.rs: 1e-5, relative to the reference's largest magnitude above 1.
+const TOLERANCE: f64 = 1e-5;
+
+fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name)
+}
+
+fn load(name: &str) -> Model {
+    Model::load(&fixture(name), &LoadOptions::default()).unwrap()
+}
+
+fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
+    assert_eq!(a.size(), b.size(), "shapes differ");
+    let a = a.to_kind(Kind::Double);
+    let scale = a.abs().max().double_value(&[]).max(1.0);
+    (a - b.to_kind(Kind::Double)).abs().max().double_value(&[]) / scale
+}
+
+/// Three micro-batches of two right-padded sequences each.
+fn micro_batches(vocab: i64) -> Vec<MicroBatch> {
+    (0..3i64)
+        .map(|m| {
+            let a: Vec<i64> = (0..6).map(|i| (7 * m + 13 * i + 3) % vocab).collect();
+            let b: Vec<i64> = (0..6)
+                .map(|i| {
+                    if i < 4 {
+                        (11 * m + 5 * i + 1) % vocab
+                    } else {
+                        0
+                    }
+                })
+                .collect();
+            MicroBatch {
+                ids: Tensor::from_slice(&[a, b].concat()).reshape([2, 6]),
+                mask: Tensor::from_slice(&[1i64, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0]).reshape([2, 6]),
+            }
+        })
+        .collect()
+}
+
+/// Micro-batch `m`'s loss from its final hidden states: a weighted sum of next-token
+/// log-probabilities and entropies at temperature 0.8.
+fn loss(model: &Model, mb: &MicroBatch, m: usize, hidden: &Tensor) -> Tensor {
+    let ids = Vec::<i64>::try_from(mb.ids.reshape([-1])).unwrap();
+    let lens = [6usize, 4];
+    let (mut rows, mut cols, mut targets) = (Vec::new(), Vec::new(), Vec::new());
+    for (r, &len) in lens.iter().enumerate() {
+        for i in 0..len - 1 {
+            rows.push(r as i64);
+            cols.push(i as i64);
+            targets.push(ids[r * 6 + i + 1]);
+        }
+    }
+    let h = hidden.index(&[
+        Some(Tensor::from_slice(&rows)),
+        Some(Tensor::from_slice(&cols)),
+    ]);
+    let (lp, ent) = model
+        .token_logprobs(&h, &Tensor::from_slice(&targets), 0.8, true)
+        .unwrap();
+    let w =
+        Tensor::linspace(-1.0, 1.0, lp.size()[0], (Kind::Float, Device::Cpu)) * (m as f64 + 1.0);
+    (lp * w).sum(Kind::Float) + ent.unwrap().sum(Kind::Float) * 0.05
+}
+
+/// The one-process reference: losses, final hidden states and every gradient.
+fn reference(name: &str) -> (Vec<f64>, Vec<Tensor>, BTreeMap<String, Tensor>, Model) {
+    let m = load(name);
+    let micro = micro_batches(m.config().vocab_size);
+    let mut losses = Vec::new();
+    let mut hidden = Vec::new();
+    for (i, mb) in micro.iter().enumerate() {
+        let h = m.hidden_states(&mb.ids, Some(&mb.mask)).unwrap();
+        let l = loss(&m, mb, i, &h);
+        losses.push(l.double_value(&[]));
+        l.backward();
+        hidden.push(h.detach());
+    }
+    let grads = m
+        .named_parameters()
+        .into_iter()
+        .map(|(n, t)| (n, t.grad()))
+        .collect();
+    (losses, hidden, grads, m)
+}
+
+/// Runs one pipeline stage of `name` (cut over `tp` first when given) and compares with the
+/// reference; then one SGD step on both, compared parameter by parameter.
+fn stage_against_reference(
+    name: &str,
+    world: &ProcessGroup,
+    stage_ranks: &[usize],
+    tp: Option<Arc<braid_runtime::dist::TensorParallel>>,
+) {
+    let (want_losses, want_hidden, want_grads, whole) = reference(name);
+    let mut m = load(name);
+    if let Some(tp) = tp {
+        m = m.shard(tp).unwrap();
+    }
+    let mut pipe = Pipeline::new(world, stage_ranks, &m).unwrap();
+    let (stage, stages) = pipe.stage();
+    m.retain_stage(stage, stages).unwrap();
+    let micro = micro_batches(m.config().vocab_size);
+    let hidden = pipe.forward_all(&m, &micro).unwrap();
+    let losses = pipe
+        .train_1f1b(&m, &micro, &mut |i, h| Ok(loss(&m, &micro[i], i, h)))
+        .unwrap();
+    let last = stage + 1 == stages;
+    if last {
+        for (a, b) in want_hidden.iter().zip(hidden.as_ref().unwrap()) {
+            let d = max_diff(a, b);
+            assert!(d <= TOLERANCE, "{name}: final hidden states differ by {d}");
+        }
+        assert_eq!(losses.len(), want_losses.len());
+        for (a, b) in want_losses.iter().zip(&losses) {
+            assert!(
+                (a - b).abs() <= TOLERANCE * a.abs().max(1.0),
+                "{name}: loss {b} against {a}"
+            );
+        }
+    } else {
+        assert!(hidden.is_none() && losses.is_empty());
+    }
+    let grads = m.gather_gradients().unwrap();
+    assert!(!grads.is_empty(), "{name}: stage {stage} holds nothing");
+    let layers = pipe.layers();
+    for (n, g) in &grads {
+        let layer = n
+            .strip_prefix("model.layers.")
+            .or_else(|| n.strip_prefix("transformer.h."))
+            .and_then(|r| r.split('.').next())
+            .and_then(|i| i.parse::<usize>().ok());
+        if let Some(i) = layer {
+            assert!(layers.contains(&i), "{name}: stage {stage} holds layer {i}");
+        }
+        let d = max_diff(&want_grads[n], g);
+        assert!(
+            d <= TOLERANCE,
+            "{name}: stage {stage}: gradient of {n} differs by {d}"
+        );
+    }
+    // One SGD step on both: the stage's parameters stay the whole model's.
+    let lr = 0.1;
+    let step = |model: &Model| {
+        tch::no_grad(|| {
+            for (_, mut p) in model.held_parameters() {
+                let g = p.grad();
+                if g.defined() {
+                    let _ = p.f_sub_(&(g * lr)).unwrap();
+                }
+            }
+        })
+    };
+    step(&whole);
+    step(&m);
+    let after: BTreeMap<String, Tensor> = whole.named_parameters().into_iter().collect();
+    for (n, p) in m.gather_parameters().unwrap() {
+        let d = max_diff(&after[&n], &p);
+        assert!(d <= TOLERANCE, "{name}: after the step, {n} differs by {d}");
+    }
+    println!("{name}: stage {stage} of {stages} agrees");
+}
+
+fn pp2_rank(rank: usize) {
+    tch::set_num_threads(1);
+    let world = world_group(Duration::from_secs(60), Duration::from_millis(200));
+    for name in [
+        "llama_gqa",
+        "llama_tied",
+        "qwen2_bias",
+        "mistral_window",
+        "gpt2",
+    ] {
+        stage_against_reference(name, &world, &[0, 1], None);
+    }
+    let _ = rank;
+}
+
+fn tp2_pp2_rank(rank: usize) {
+    tch::set_num_threads(1);
+    let world = world_group(Duration::from_secs(60), Duration::from_millis(200));
+    // The planner's coordinates: tensor-parallel rank innermost, then stages.
+    let (t, stage) = (rank % 2, rank / 2);
+    let tp_group = world.subgroup(&[2 * stage, 2 * stage + 1]).unwrap();
+    let tp = Arc::new(tp_group.tensor_parallel().unwrap());
+    for name in ["llama_gqa", "llama_tied"] {
+        stage_against_reference(name, &world, &[t, 2 + t], Some(tp.clone()));
+    }
+}
+
+#[test]
+fn pipeline_degree_2_trains_like_one_process_for_every_architecture() {
+    if let Some(rank) = child_rank() {
+        return pp2_rank(rank);
+    }
+    let _serial = serial();
+    let mut ranks = Ranks::spawn(
+        "pipeline_degree_2_trains_like_one_process_for_every_architecture",
+        2,
+        &[],
+    );
+    ranks.expect_all_success(Duration::from_secs(600));
+    assert!(
+        ranks.output(1).contains("gpt2: stage 1 of 2 agrees"),
+        "{}",
+        ranks.all_output()
+    );
+}
+
+#[test]
+fn a_tp2_pp2_training_step_on_4_ranks_equals_the_one_process_step() {
+    if let Some(rank) = child_rank() {
+        return tp2_pp2_rank(rank);
+    }
+    let _serial = serial();
+    let mut ranks = Ranks::spawn(
+        "a_tp2_pp2_training_step_on_4_ranks_equals_the_one_process_step",
+        4,
+        &[],
+    );
+    ranks.expect_all_success(Duration::from_secs(600));
+    assert!(
+        ranks.output(3).contains("llama_tied: stage 1 of 2 agrees"),
+        "{}",
+        ranks.all_output()
+    );
+}
