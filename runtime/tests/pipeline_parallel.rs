@@ -14,8 +14,9 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use braid_cost::fused_pipeline::{self, Kind as TaskKind, PipelineModel, PipelineProblem};
 use braid_runtime::dist::ProcessGroup;
-use braid_runtime::models::pipeline::{MicroBatch, Pipeline};
+use braid_runtime::models::pipeline::{FusedPart, MicroBatch, Pass, Pipeline, run_fused};
 use braid_runtime::{LoadOptions, Model};
 use ranks::{Ranks, child_rank, serial, world_group};
 use tch::{Device, Kind, Tensor};
@@ -245,6 +246,137 @@ fn a_tp2_pp2_training_step_on_4_ranks_equals_the_one_process_step() {
     ranks.expect_all_success(Duration::from_secs(600));
     assert!(
         ranks.output(3).contains("llama_tied: stage 1 of 2 agrees"),
+        "{}",
+        ranks.all_output()
+    );
+}
+
+/// Checks a stage's losses (on the last stage) and gradients against the reference.
+fn check_stage(
+    name: &str,
+    m: &Model,
+    pipe: &Pipeline,
+    losses: &[f64],
+    want_losses: &[f64],
+    want_grads: &BTreeMap<String, Tensor>,
+) {
+    let (stage, stages) = pipe.stage();
+    if stage + 1 == stages {
+        for (a, b) in want_losses.iter().zip(losses) {
+            assert!(
+                (a - b).abs() <= TOLERANCE * a.abs().max(1.0),
+                "{name}: loss {b} against {a}"
+            );
+        }
+        assert_eq!(losses.len(), want_losses.len());
+    }
+    for (n, g) in m.gather_gradients().unwrap() {
+        let d = max_diff(&want_grads[&n], &g);
+        assert!(
+            d <= TOLERANCE,
+            "{name}: stage {stage}: gradient of {n} differs by {d}"
+        );
+    }
+}
+
+/// Two models trained as one fused schedule (RLHFuse's intra-stage fusion) on 2 ranks: the
+/// solver's schedule for two 2-stage pipelines running in opposite directions, executed in its
+/// order on each rank, gives each model the gradients of its own one-process training.
+fn fused_rank(rank: usize) {
+    tch::set_num_threads(1);
+    let world = world_group(Duration::from_secs(60), Duration::from_millis(200));
+    let names = ["llama_gqa", "mistral_window"];
+    let problem = PipelineProblem {
+        stages: 2,
+        models: names
+            .iter()
+            .map(|n| PipelineModel {
+                name: Some((*n).into()),
+                pp: 2,
+                microbatches: 3,
+                fwd: 1,
+                bwd: 2,
+                mem_per_microbatch: 1,
+            })
+            .collect(),
+        search: Default::default(),
+    };
+    let schedule = fused_pipeline::solve(&problem).unwrap();
+    let mine = schedule.schedule.iter().find(|d| d.device == rank).unwrap();
+    let tasks: Vec<(usize, usize, Pass)> = mine
+        .tasks
+        .iter()
+        .map(|t| {
+            let pass = match t.kind {
+                TaskKind::Fwd => Pass::Forward,
+                TaskKind::Bwd => Pass::Backward,
+            };
+            (t.model, t.microbatch, pass)
+        })
+        .collect();
+    // Both models' subtasks interleave on this rank.
+    assert!(tasks.iter().any(|t| t.0 == 0) && tasks.iter().any(|t| t.0 == 1));
+    let refs: Vec<_> = names.iter().map(|n| reference(n)).collect();
+    let mut models: Vec<Model> = names.iter().map(|n| load(n)).collect();
+    let mut pipes = Vec::new();
+    for (i, m) in models.iter_mut().enumerate() {
+        let ranks: Vec<usize> = (0..2)
+            .map(|j| fused_pipeline::device_of(2, i, 2, 0, j))
+            .collect();
+        let pipe = Pipeline::new(&world, &ranks, m).unwrap();
+        let (stage, stages) = pipe.stage();
+        m.retain_stage(stage, stages).unwrap();
+        pipes.push(pipe);
+    }
+    let micro: Vec<Vec<MicroBatch>> = models
+        .iter()
+        .map(|m| micro_batches(m.config().vocab_size))
+        .collect();
+    let (p0, p1) = pipes.split_at_mut(1);
+    let mut loss0 = |i: usize, h: &Tensor| Ok(loss(&models[0], &micro[0][i], i, h));
+    let mut loss1 = |i: usize, h: &Tensor| Ok(loss(&models[1], &micro[1][i], i, h));
+    let mut parts = [
+        FusedPart {
+            pipeline: &mut p0[0],
+            model: &models[0],
+            micro: &micro[0],
+            loss: &mut loss0,
+        },
+        FusedPart {
+            pipeline: &mut p1[0],
+            model: &models[1],
+            micro: &micro[1],
+            loss: &mut loss1,
+        },
+    ];
+    let losses = run_fused(&mut parts, &tasks).unwrap();
+    for (i, name) in names.iter().enumerate() {
+        check_stage(
+            name, &models[i], &pipes[i], &losses[i], &refs[i].0, &refs[i].2,
+        );
+    }
+    println!(
+        "fused schedule on rank {rank}: {} subtasks, solver latency {} against {} for the two 1F1B trainings one after the other",
+        tasks.len(),
+        schedule.latency,
+        schedule.serial_1f1b_latency
+    );
+}
+
+#[test]
+fn a_fused_actor_critic_schedule_on_2_ranks_trains_both_like_one_process() {
+    if let Some(rank) = child_rank() {
+        return fused_rank(rank);
+    }
+    let _serial = serial();
+    let mut ranks = Ranks::spawn(
+        "a_fused_actor_critic_schedule_on_2_ranks_trains_both_like_one_process",
+        2,
+        &[],
+    );
+    ranks.expect_all_success(Duration::from_secs(600));
+    assert!(
+        ranks.output(0).contains("fused schedule on rank 0"),
         "{}",
         ranks.all_output()
     );

@@ -279,6 +279,19 @@ pub fn generate_stream<'m>(
             "generation needs a language-model head",
         ));
     }
+    // Tensor-parallel ranks must issue the same steps: a draft length chosen from each
+    // rank's own measured timings could differ between them.
+    if model.tensor_parallel().0 > 1
+        && matches!(
+            options.speculate,
+            SpeculateMode::Auto | SpeculateMode::Draft(_)
+        )
+    {
+        return Err(Error::invalid(
+            "speculate",
+            "`auto` and `draft:DIR` choose each step's draft length from this process's own timings, which the ranks of a tensor-parallel group would not agree on; use `off` or `ngram[:N]` with tensor parallelism",
+        ));
+    }
     let max_len = model.config().max_position_embeddings;
     for (i, p) in prompts.iter().enumerate() {
         if p.is_empty() {

@@ -100,6 +100,81 @@ pub struct Pipeline {
     /// With tied embeddings: the first and last stages' group, which sums the embedding's
     /// gradients.
     tied: Option<ProcessGroup>,
+    /// Micro-batches whose forward ran and whose backward has not: the stage's input (a leaf)
+    /// and what the backward starts from (the loss on the last stage, the output elsewhere).
+    live: std::collections::BTreeMap<usize, (Option<Tensor>, Tensor)>,
+}
+
+/// A pass of a micro-batch through a stage.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Pass {
+    Forward,
+    Backward,
+}
+
+/// 1F1B's order on stage `stage` of `stages` for `n` micro-batches: `stages - stage - 1`
+/// forwards, then one forward and one backward in turn, then the remaining backwards.
+pub fn one_f_one_b(stage: usize, stages: usize, n: usize) -> Vec<(usize, Pass)> {
+    let warmup = (stages - stage - 1).min(n);
+    let mut order = Vec::with_capacity(2 * n);
+    let (mut f, mut b) = (0, 0);
+    while b < n {
+        if f < n && f <= b + warmup {
+            order.push((f, Pass::Forward));
+            f += 1;
+        } else {
+            order.push((b, Pass::Backward));
+            b += 1;
+        }
+    }
+    order
+}
+
+/// One model's part of a fused schedule on this rank: its pipeline, weights, micro-batches and
+/// loss.
+pub struct FusedPart<'a> {
+    pub pipeline: &'a mut Pipeline,
+    pub model: &'a Model,
+    pub micro: &'a [MicroBatch],
+    pub loss: &'a mut dyn FnMut(usize, &Tensor) -> Result<Tensor>,
+}
+
+/// Runs several models' trainings on the same ranks as one schedule (RLHFuse's intra-stage
+/// fusion): `tasks` is this rank's list of (part, micro-batch, pass) in the order to run them,
+/// as the fused-pipeline solver gives it (`braid_cost::fused_pipeline`); each part's subtasks
+/// run on its own pipeline, so the models' messages never mix. Returns each part's losses (on
+/// its last stage).
+pub fn run_fused(
+    parts: &mut [FusedPart<'_>],
+    tasks: &[(usize, usize, Pass)],
+) -> Result<Vec<Vec<f64>>> {
+    let mut losses: Vec<Vec<f64>> = parts
+        .iter()
+        .map(|p| {
+            vec![
+                0.0;
+                if p.pipeline.is_last() {
+                    p.micro.len()
+                } else {
+                    0
+                }
+            ]
+        })
+        .collect();
+    for &(i, m, pass) in tasks {
+        let part = parts.get_mut(i).ok_or_else(|| {
+            Error::invalid(
+                "pipeline",
+                format!("the schedule names model {i}, which is not here"),
+            )
+        })?;
+        part.pipeline
+            .run_task(part.model, part.micro, part.loss, m, pass, &mut losses[i])?;
+    }
+    for p in parts.iter_mut() {
+        p.pipeline.finish(p.model)?;
+    }
+    Ok(losses)
 }
 
 /// One micro-batch: token ids `[B, T]` and attention mask `[B, T]`, known to every stage.
@@ -157,6 +232,7 @@ impl Pipeline {
             act_out,
             grad_in,
             tied,
+            live: Default::default(),
         })
     }
 
@@ -170,7 +246,8 @@ impl Pipeline {
         self.layers.clone()
     }
 
-    fn is_last(&self) -> bool {
+    /// Whether this is the last stage (where losses are computed).
+    pub fn is_last(&self) -> bool {
         self.stage + 1 == self.stages
     }
 
@@ -239,59 +316,105 @@ impl Pipeline {
         micro: &[MicroBatch],
         loss: &mut dyn FnMut(usize, &Tensor) -> Result<Tensor>,
     ) -> Result<Vec<f64>> {
-        let n = micro.len();
-        let warmup = (self.stages - self.stage - 1).min(n);
-        let mut live: std::collections::VecDeque<(usize, Option<Tensor>, Tensor)> =
-            Default::default();
-        let mut losses = Vec::new();
-        let mut next_fwd = 0;
-        let mut next_bwd = 0;
-        let tag = |m: usize| -> Result<u32> {
-            u32::try_from(m).map_err(|_| Error::invalid("pipeline", "too many micro-batches"))
-        };
-        while next_bwd < n {
-            let forward_now = next_fwd < n && (next_fwd < warmup || next_fwd <= next_bwd + warmup);
-            if forward_now {
-                let m = next_fwd;
-                let (input, out) = self.forward(model, &micro[m], tag(m)?, true)?;
+        let order = one_f_one_b(self.stage, self.stages, micro.len());
+        self.train_in_order(model, micro, loss, &order)
+    }
+
+    /// Forward and backward passes of `micro` in the stage-local `order` of (micro-batch,
+    /// pass) — any order in which each backward follows its forward and micro-batches keep
+    /// their order within each pass, such as 1F1B's or a fused schedule's share for this
+    /// model. Returns the losses on the last stage (by micro-batch), empty elsewhere.
+    pub fn train_in_order(
+        &mut self,
+        model: &Model,
+        micro: &[MicroBatch],
+        loss: &mut dyn FnMut(usize, &Tensor) -> Result<Tensor>,
+        order: &[(usize, Pass)],
+    ) -> Result<Vec<f64>> {
+        let mut losses = vec![0.0; if self.is_last() { micro.len() } else { 0 }];
+        for &(m, pass) in order {
+            self.run_task(model, micro, loss, m, pass, &mut losses)?;
+        }
+        self.finish(model)?;
+        Ok(losses)
+    }
+
+    /// One subtask: the forward or the backward of micro-batch `m` on this stage.
+    fn run_task(
+        &mut self,
+        model: &Model,
+        micro: &[MicroBatch],
+        loss: &mut dyn FnMut(usize, &Tensor) -> Result<Tensor>,
+        m: usize,
+        pass: Pass,
+        losses: &mut [f64],
+    ) -> Result<()> {
+        let mb = micro.get(m).ok_or_else(|| {
+            Error::invalid("pipeline", format!("micro-batch {m} of {}", micro.len()))
+        })?;
+        let tag =
+            u32::try_from(m).map_err(|_| Error::invalid("pipeline", "too many micro-batches"))?;
+        match pass {
+            Pass::Forward => {
+                if self.live.contains_key(&m) {
+                    return Err(Error::invalid(
+                        "pipeline",
+                        format!("micro-batch {m} runs forward twice"),
+                    ));
+                }
+                let (input, out) = self.forward(model, mb, tag, true)?;
                 let top = if self.is_last() {
                     let l = loss(m, &out)?;
-                    losses.push(l.double_value(&[]));
+                    losses[m] = l.double_value(&[]);
                     l
                 } else {
                     out
                 };
-                live.push_back((m, input, top));
-                next_fwd += 1;
-                continue;
+                self.live.insert(m, (input, top));
             }
-            let (m, input, top) = live
-                .pop_front()
-                .ok_or_else(|| Error::invalid("pipeline", "1F1B lost a micro-batch"))?;
-            if self.is_last() {
-                top.f_backward()?;
-            } else {
-                let shape = Self::act_shape(model, &micro[m]);
-                let link = self
-                    .grad_in
-                    .as_mut()
-                    .ok_or_else(|| Error::invalid("pipeline", "no link from the next stage"))?;
-                let g = link.recv(&shape, top.kind(), model.device(), tag(m)?)?;
-                (top * g).f_sum(Kind::Float)?.f_backward()?;
-            }
-            if let (Some(x), Some(link)) = (input, self.grad_out.as_mut()) {
-                let g = x.grad();
-                if !g.defined() {
-                    return Err(Error::invalid(
+            Pass::Backward => {
+                let (input, top) = self.live.remove(&m).ok_or_else(|| {
+                    Error::invalid(
                         "pipeline",
-                        "no gradient reached a stage's input",
-                    ));
+                        format!("micro-batch {m} runs backward before its forward"),
+                    )
+                })?;
+                if self.is_last() {
+                    top.f_backward()?;
+                } else {
+                    let shape = Self::act_shape(model, mb);
+                    let link = self
+                        .grad_in
+                        .as_mut()
+                        .ok_or_else(|| Error::invalid("pipeline", "no link from the next stage"))?;
+                    let g = link.recv(&shape, top.kind(), model.device(), tag)?;
+                    (top * g).f_sum(Kind::Float)?.f_backward()?;
                 }
-                link.send(&g, tag(m)?)?;
+                if let (Some(x), Some(link)) = (input, self.grad_out.as_mut()) {
+                    let g = x.grad();
+                    if !g.defined() {
+                        return Err(Error::invalid(
+                            "pipeline",
+                            "no gradient reached a stage's input",
+                        ));
+                    }
+                    link.send(&g, tag)?;
+                }
             }
-            next_bwd += 1;
         }
+        Ok(())
+    }
+
+    /// Ends a training pass: every send delivered, no activation left, tied embeddings'
+    /// gradients summed between the first and last stages.
+    fn finish(&mut self, model: &Model) -> Result<()> {
         self.settle()?;
+        if let Some(m) = self.live.keys().next() {
+            return Err(Error::invalid(
+                "pipeline",
+                format!("micro-batch {m} ran forward but not backward"),
+            ));
+        }
         if let Some(t) = &self.tied {
             let mut grads: Vec<Tensor> = model
                 .embedding_parameter()
@@ -301,7 +424,7 @@ impl Pipeline {
                 .collect();
             t.all_reduce_coalesced(&mut grads, ReduceOp::Sum)?;
         }
-        Ok(losses)
+        Ok(())
     }
 
     /// Waits for every send in flight.
