@@ -381,3 +381,90 @@ fn a_fused_actor_critic_schedule_on_2_ranks_trains_both_like_one_process() {
         ranks.all_output()
     );
 }
+
+/// A valid order in which a stage sends twice on one link before its peer receives the first
+/// message, because the peer first waits for something this stage sends later on another
+/// link: sends must never block the stage (a stage that waited for its first send to be
+/// received before queueing the second would deadlock here).
+fn sends_never_block_rank(rank: usize) {
+    tch::set_num_threads(1);
+    let world = world_group(Duration::from_secs(30), Duration::from_millis(200));
+    let names = ["llama_gqa", "mistral_window"];
+    let (f, b) = (Pass::Forward, Pass::Backward);
+    // Model 0 runs stage 0 on rank 0; model 1 runs stage 0 on rank 1.
+    let order: Vec<(usize, usize, Pass)> = if rank == 0 {
+        vec![
+            (0, 0, f),
+            (0, 1, f),
+            (1, 0, f),
+            (1, 0, b),
+            (1, 1, f),
+            (1, 1, b),
+            (0, 0, b),
+            (0, 1, b),
+        ]
+    } else {
+        vec![
+            (1, 0, f),
+            (1, 1, f),
+            (1, 0, b),
+            (0, 0, f),
+            (0, 0, b),
+            (0, 1, f),
+            (0, 1, b),
+            (1, 1, b),
+        ]
+    };
+    let mut models: Vec<Model> = names.iter().map(|n| load(n)).collect();
+    let mut pipes = Vec::new();
+    for (i, m) in models.iter_mut().enumerate() {
+        let ranks = if i == 0 { [0, 1] } else { [1, 0] };
+        let pipe = Pipeline::new(&world, &ranks, m).unwrap();
+        let (stage, stages) = pipe.stage();
+        m.retain_stage(stage, stages).unwrap();
+        pipes.push(pipe);
+    }
+    let micro: Vec<Vec<MicroBatch>> = models
+        .iter()
+        .map(|m| {
+            micro_batches(m.config().vocab_size)
+                .into_iter()
+                .take(2)
+                .collect()
+        })
+        .collect();
+    let (p0, p1) = pipes.split_at_mut(1);
+    let mut loss0 = |i: usize, h: &Tensor| Ok(loss(&models[0], &micro[0][i], i, h));
+    let mut loss1 = |i: usize, h: &Tensor| Ok(loss(&models[1], &micro[1][i], i, h));
+    let mut parts = [
+        FusedPart {
+            pipeline: &mut p0[0],
+            model: &models[0],
+            micro: &micro[0],
+            loss: &mut loss0,
+        },
+        FusedPart {
+            pipeline: &mut p1[0],
+            model: &models[1],
+            micro: &micro[1],
+            loss: &mut loss1,
+        },
+    ];
+    run_fused(&mut parts, &order).unwrap();
+    println!("rank {rank}: the order ran");
+}
+
+#[test]
+fn a_stage_never_waits_for_its_own_sends() {
+    if let Some(rank) = child_rank() {
+        return sends_never_block_rank(rank);
+    }
+    let _serial = serial();
+    let mut ranks = Ranks::spawn("a_stage_never_waits_for_its_own_sends", 2, &[]);
+    ranks.expect_all_success(Duration::from_secs(120));
+    assert!(
+        ranks.output(1).contains("rank 1: the order ran"),
+        "{}",
+        ranks.all_output()
+    );
+}

@@ -10,11 +10,13 @@
 //! summed. Tensor parallelism composes: each stage may itself be tensor-parallel, and stage
 //! `s`'s tensor-parallel rank `t` talks to rank `t` of the neighbouring stages.
 //!
-//! Every link between neighbours has one group per direction, and sends run on a thread of
-//! their own, so that a stage never blocks on a send: with only receives blocking, the
-//! schedule's dependencies (acyclic) decide the order and no two stages wait on each other.
+//! Every link between neighbours has one group per direction, and each sending side queues its
+//! tensors to a thread of its own, so that a stage never blocks on a send: with only receives
+//! blocking, the schedule's dependencies (acyclic) decide the order and no two stages wait on
+//! each other.
 
 use std::ops::Range;
+use std::sync::mpsc;
 use std::thread::JoinHandle;
 
 use tch::{Kind, Tensor};
@@ -23,66 +25,99 @@ use crate::dist::{ProcessGroup, ReduceOp};
 use crate::error::{Error, Result};
 use crate::models::model::Model;
 
-/// A group of two used in one direction: sends run on a background thread that owns the
-/// group while it sends and hands it back when done.
-struct Link {
-    group: Option<ProcessGroup>,
-    pending: Option<JoinHandle<(ProcessGroup, crate::dist::Result<()>)>>,
-    /// The peer's rank in the two-rank group.
-    peer: usize,
+/// A group of two used in one direction. A sending link hands its group to a thread of its
+/// own, which sends the queued tensors in order (c10d matches a group's messages in order), so
+/// that the stage never waits for a send, not even for an earlier one on the same link: a
+/// send completes only once the peer receives it, and the peer may first need something this
+/// stage sends later on another link. A receiving link keeps its group on the stage's thread.
+enum Link {
+    Send(Sender),
+    Recv { group: ProcessGroup, peer: usize },
+}
+
+struct Sender {
+    queue: Option<mpsc::Sender<(Tensor, u32)>>,
+    acks: mpsc::Receiver<crate::dist::Result<()>>,
+    /// Sends queued and not yet acknowledged.
+    queued: usize,
+    worker: Option<JoinHandle<()>>,
 }
 
 impl Link {
-    fn new(group: ProcessGroup) -> Link {
+    fn sending(group: ProcessGroup) -> Link {
         let peer = 1 - group.rank();
-        Link {
-            group: Some(group),
-            pending: None,
-            peer,
-        }
+        let (queue, jobs) = mpsc::channel::<(Tensor, u32)>();
+        let (ack, acks) = mpsc::channel();
+        let worker = std::thread::spawn(move || {
+            for (t, tag) in jobs {
+                let r = group.send(&t, peer, tag);
+                let failed = r.is_err();
+                if ack.send(r).is_err() || failed {
+                    break;
+                }
+            }
+        });
+        Link::Send(Sender {
+            queue: Some(queue),
+            acks,
+            queued: 0,
+            worker: Some(worker),
+        })
     }
 
-    /// Waits for the send in flight, if any.
+    fn receiving(group: ProcessGroup) -> Link {
+        let peer = 1 - group.rank();
+        Link::Recv { group, peer }
+    }
+
+    /// Waits until every queued send has been received.
     fn settle(&mut self) -> Result<()> {
-        if let Some(h) = self.pending.take() {
-            let (group, result) = h
-                .join()
-                .map_err(|_| Error::invalid("pipeline", "a send thread panicked"))?;
-            self.group = Some(group);
-            result?;
+        if let Link::Send(s) = self {
+            while s.queued > 0 {
+                let r = s.acks.recv().map_err(|_| {
+                    Error::invalid("pipeline", "a send thread ended before its sends")
+                })?;
+                s.queued -= 1;
+                r?;
+            }
         }
         Ok(())
     }
 
-    fn group(&mut self) -> Result<&ProcessGroup> {
-        self.settle()?;
-        self.group
-            .as_ref()
-            .ok_or_else(|| Error::invalid("pipeline", "a link lost its group"))
-    }
-
-    /// Sends `t` (detached, contiguous) without waiting for the peer to receive it.
+    /// Queues `t` (detached, contiguous) for the peer without waiting.
     fn send(&mut self, t: &Tensor, tag: u32) -> Result<()> {
-        self.settle()?;
-        let group = self
-            .group
-            .take()
-            .ok_or_else(|| Error::invalid("pipeline", "a link lost its group"))?;
+        let Link::Send(s) = self else {
+            return Err(Error::invalid("pipeline", "a receiving link cannot send"));
+        };
         let t = t.detach().contiguous();
-        let peer = self.peer;
-        self.pending = Some(std::thread::spawn(move || {
-            let r = group.send(&t, peer, tag);
-            (group, r)
-        }));
+        s.queue
+            .as_ref()
+            .and_then(|q| q.send((t, tag)).ok())
+            .ok_or_else(|| Error::invalid("pipeline", "a send thread ended early"))?;
+        s.queued += 1;
         Ok(())
     }
 
     fn recv(&mut self, like: &[i64], kind: Kind, device: tch::Device, tag: u32) -> Result<Tensor> {
-        let peer = self.peer;
-        let group = self.group()?;
+        let Link::Recv { group, peer } = self else {
+            return Err(Error::invalid("pipeline", "a sending link cannot receive"));
+        };
         let mut t = Tensor::f_zeros(like, (kind, device))?;
-        group.recv(&mut t, peer, tag)?;
+        group.recv(&mut t, *peer, tag)?;
         Ok(t)
+    }
+}
+
+impl Drop for Link {
+    fn drop(&mut self) {
+        if let Link::Send(s) = self {
+            // Closing the queue ends the worker once its last send returns (each is bounded
+            // by the group's timeout).
+            s.queue.take();
+            if let Some(w) = s.worker.take() {
+                let _ = w.join();
+            }
+        }
     }
 }
 
@@ -200,9 +235,13 @@ impl Pipeline {
         // Links in increasing order of their lower stage, as every member creates them.
         let link = |a: usize, b: usize| -> Result<(Link, Link)> {
             let pair = [stage_ranks[a], stage_ranks[b]];
-            let fwd = Link::new(group.subgroup(&pair)?);
-            let bwd = Link::new(group.subgroup(&pair)?);
-            Ok((fwd, bwd))
+            let (fwd, bwd) = (group.subgroup(&pair)?, group.subgroup(&pair)?);
+            // Stage `a` sends activations on `fwd` and receives gradients on `bwd`.
+            Ok(if a == stage {
+                (Link::sending(fwd), Link::receiving(bwd))
+            } else {
+                (Link::receiving(fwd), Link::sending(bwd))
+            })
         };
         let (mut act_in, mut grad_out, mut act_out, mut grad_in) = (None, None, None, None);
         if stage > 0 {
