@@ -170,7 +170,7 @@ fn main() {
     let prompt = Tensor::randint(250, [b, len - 16], (Kind::Int64, Device::Cpu));
     let _ = m
         .forward_cached(&mut cache, &prompt, &vec![len - 16; b as usize])
-        .unwrap();
+        .expect("prefill");
     let one = Tensor::randint(250, [b, 1], (Kind::Int64, Device::Cpu));
     let valid = vec![1i64; b as usize];
     // The same step as libtorch operations and on host memory (`step.rs`), interleaved.
@@ -184,7 +184,9 @@ fn main() {
         let libtorch = i % 2 == 0;
         m.set_libtorch_steps(libtorch);
         let t = Instant::now();
-        let _ = m.forward_cached(&mut cache, &one, &valid).unwrap();
+        let _ = m
+            .forward_cached(&mut cache, &one, &valid)
+            .expect("decode step");
         let secs = t.elapsed().as_secs_f64();
         if libtorch {
             &mut lib_steps

@@ -83,7 +83,7 @@ fn main() {
         let batch: Vec<(Rollout, f64)> = (0..32).map(|_| sample(&mut rng)).collect();
         let seqs: Vec<&Rollout> = batch.iter().map(|(r, _)| r).collect();
         let (ids, mask) = infer::pad_batch(&seqs, 0, Device::Cpu);
-        let hidden = model.hidden_states(&ids, Some(&mask)).unwrap();
+        let hidden = model.hidden_states(&ids, Some(&mask)).expect("forward");
         let last: Vec<i64> = seqs
             .iter()
             .map(|r| (r.prompt.len() + r.completion.len()) as i64 - 1)
@@ -93,7 +93,7 @@ fn main() {
             Some(Tensor::from_slice(&rows)),
             Some(Tensor::from_slice(&last)),
         ]);
-        let pred = model.apply_head(&h).unwrap().reshape([-1]);
+        let pred = model.apply_head(&h).expect("head").reshape([-1]);
         let target = Tensor::from_slice(&batch.iter().map(|(_, y)| *y as f32).collect::<Vec<_>>());
         let loss = (pred - target).square().mean(Kind::Float);
         loss.backward();

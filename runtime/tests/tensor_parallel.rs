@@ -129,7 +129,7 @@ fn greedy(m: &Model, tokenizer: &Tokenizer) -> Vec<Vec<i64>> {
     let vocab = m.config().vocab_size;
     let prompts = vec![
         vec![5 % vocab, 9 % vocab, 13 % vocab],
-        vec![1, 2, 3, 4, 5, 6].iter().map(|t| t % vocab).collect(),
+        [1i64, 2, 3, 4, 5, 6].iter().map(|t| t % vocab).collect(),
     ];
     let params = SamplingParams {
         max_new_tokens: 12,

@@ -645,7 +645,7 @@ impl Model {
     /// (stage+1)·L/stages`, as the planner splits them (`braid_ir::transfer`).
     pub fn stage_layers(&self, stage: usize, stages: usize) -> Result<std::ops::Range<usize>> {
         let layers = self.num_layers();
-        if stages == 0 || stage >= stages || layers % stages != 0 {
+        if stages == 0 || stage >= stages || !layers.is_multiple_of(stages) {
             return Err(Error::invalid(
                 "pipeline parallelism",
                 format!(

@@ -153,9 +153,12 @@ impl Shard {
                     Cut::Thirds { dim: 0 }
                 } else if last("mlp.c_fc.weight") {
                     Cut::Blocks { dim: 1 }
-                } else if last("mlp.c_fc.bias") {
-                    Cut::Blocks { dim: 0 }
-                } else if last("attn.c_proj.weight") || last("mlp.c_proj.weight") {
+                } else if last("mlp.c_fc.bias")
+                    || last("attn.c_proj.weight")
+                    || last("mlp.c_proj.weight")
+                {
+                    // The fc bias splits with its columns; the row-parallel projections (weights
+                    // `[in, out]`) split their input rows.
                     Cut::Blocks { dim: 0 }
                 } else {
                     Cut::Whole
