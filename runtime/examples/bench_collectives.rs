@@ -5,7 +5,10 @@
 //!
 //!     cargo run -p braid-runtime --example bench_collectives
 
-use std::process::{Child, Command, ExitCode, Stdio};
+#[path = "common/ranks.rs"]
+mod ranks;
+
+use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use braid_runtime::dist::{GroupOptions, ProcessGroup, ReduceOp, World};
@@ -16,70 +19,14 @@ const RANKS: usize = 2;
 /// (bytes, timed iterations)
 const SIZES: [(usize, usize); 2] = [(1 << 20, 50), (64 << 20, 5)];
 
-/// The ranks this process started, killed by pid when dropped (also on a panic).
-struct Children(Vec<Child>);
-
-impl Drop for Children {
-    fn drop(&mut self) {
-        for child in &mut self.0 {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-}
-
 fn main() -> ExitCode {
-    if std::env::var_os(RANK_VAR).is_some() {
-        return match bench_rank() {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(e) => {
-                eprintln!("bench_collectives: {e}");
-                ExitCode::FAILURE
-            }
-        };
-    }
-    let exe = std::env::current_exe().expect("this binary's path");
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
-        .port();
-    let mut children = Children(Vec::new());
-    for rank in 0..RANKS {
-        let child = Command::new(&exe)
-            .env(RANK_VAR, rank.to_string())
-            .env("RANK", rank.to_string())
-            .env("WORLD_SIZE", RANKS.to_string())
-            .env("MASTER_ADDR", "127.0.0.1")
-            .env("MASTER_PORT", port.to_string())
-            .env("GLOO_SOCKET_IFNAME", "lo")
-            .stdin(Stdio::null())
-            .spawn()
-            .expect("start a rank");
-        children.0.push(child);
-    }
-    let deadline = Instant::now() + Duration::from_secs(300);
-    let mut ok = true;
-    for (rank, child) in children.0.iter_mut().enumerate() {
-        let status = loop {
-            if let Some(status) = child.try_wait().expect("try_wait") {
-                break status;
-            }
-            if Instant::now() > deadline {
-                eprintln!("bench_collectives: rank {rank} still running after 300 s");
-                return ExitCode::FAILURE;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        };
-        if !status.success() {
-            eprintln!("bench_collectives: rank {rank} failed ({status})");
-            ok = false;
-        }
-    }
-    if ok {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::FAILURE
-    }
+    ranks::run(
+        "bench_collectives",
+        RANK_VAR,
+        RANKS,
+        Duration::from_secs(300),
+        bench_rank,
+    )
 }
 
 fn bench_rank() -> braid_runtime::dist::Result<()> {

@@ -17,12 +17,15 @@
 //!     cargo run -p braid-runtime --example bench_parallel
 
 use std::path::PathBuf;
-use std::process::{Child, Command, ExitCode, Stdio};
+#[path = "common/ranks.rs"]
+mod ranks;
+
+use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use braid_cost::cost::{DeviceKind, ModelShape};
+use braid_cost::fused_pipeline;
 use braid_cost::fused_pipeline::spec::{ModelSpec, PipelineSpec, RealSchedule};
-use braid_cost::fused_pipeline::{self, Kind as TaskKind};
 use braid_ir::exec_plan::Placement;
 use braid_ir::settings::Head;
 use braid_ir::transfer::{Param, dims, params, plan_reshard};
@@ -36,69 +39,14 @@ use tch::Tensor;
 const RANK_VAR: &str = "BRAID_BENCH_RANK";
 const RANKS: usize = 2;
 
-struct Children(Vec<Child>);
-
-impl Drop for Children {
-    fn drop(&mut self) {
-        for child in &mut self.0 {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-}
-
 fn main() -> ExitCode {
-    if std::env::var_os(RANK_VAR).is_some() {
-        return match bench_rank() {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(e) => {
-                eprintln!("bench_parallel: {e}");
-                ExitCode::FAILURE
-            }
-        };
-    }
-    let exe = std::env::current_exe().expect("this binary's path");
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
-        .port();
-    let mut children = Children(Vec::new());
-    for rank in 0..RANKS {
-        let child = Command::new(&exe)
-            .env(RANK_VAR, rank.to_string())
-            .env("RANK", rank.to_string())
-            .env("WORLD_SIZE", RANKS.to_string())
-            .env("MASTER_ADDR", "127.0.0.1")
-            .env("MASTER_PORT", port.to_string())
-            .env("GLOO_SOCKET_IFNAME", "lo")
-            .stdin(Stdio::null())
-            .spawn()
-            .expect("start a rank");
-        children.0.push(child);
-    }
-    let deadline = Instant::now() + Duration::from_secs(1200);
-    let mut ok = true;
-    for (rank, child) in children.0.iter_mut().enumerate() {
-        let status = loop {
-            if let Some(status) = child.try_wait().expect("try_wait") {
-                break status;
-            }
-            if Instant::now() > deadline {
-                eprintln!("bench_parallel: rank {rank} still running after 1200 s");
-                return ExitCode::FAILURE;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        };
-        if !status.success() {
-            eprintln!("bench_parallel: rank {rank} failed ({status})");
-            ok = false;
-        }
-    }
-    if ok {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::FAILURE
-    }
+    ranks::run(
+        "bench_parallel",
+        RANK_VAR,
+        RANKS,
+        Duration::from_secs(1200),
+        bench_rank,
+    )
 }
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
@@ -367,13 +315,7 @@ fn fused(group: &ProcessGroup) -> Res<()> {
     let tasks: Vec<(usize, usize, Pass)> = mine
         .tasks
         .iter()
-        .map(|t| {
-            let pass = match t.kind {
-                TaskKind::Fwd => Pass::Forward,
-                TaskKind::Bwd => Pass::Backward,
-            };
-            (t.model, t.microbatch, pass)
-        })
+        .map(|t| (t.model, t.microbatch, Pass::from(t.kind)))
         .collect();
     let (mut seq, mut fus) = (Vec::new(), Vec::new());
     for _ in 0..3 {

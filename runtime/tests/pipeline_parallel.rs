@@ -7,39 +7,20 @@
 
 #![allow(clippy::unwrap_used)] // Test helpers: a failed unwrap is a failed test.
 
+mod compare;
 mod ranks;
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use braid_cost::fused_pipeline::{self, Kind as TaskKind, PipelineModel, PipelineProblem};
+use braid_cost::fused_pipeline::{self, PipelineModel, PipelineProblem};
 use braid_runtime::dist::ProcessGroup;
 use braid_runtime::models::pipeline::{FusedPart, MicroBatch, Pass, Pipeline, run_fused};
-use braid_runtime::{LoadOptions, Model};
+use braid_runtime::{Head, Model};
+use compare::{TOLERANCE, max_diff};
 use ranks::{Ranks, child_rank, serial, world_group};
 use tch::{Device, Kind, Tensor};
-
-/// As in tensor_parallel.rs: 1e-5, relative to the reference's largest magnitude above 1.
-const TOLERANCE: f64 = 1e-5;
-
-fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
-        .join(name)
-}
-
-fn load(name: &str) -> Model {
-    Model::load(&fixture(name), &LoadOptions::default()).unwrap()
-}
-
-fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
-    assert_eq!(a.size(), b.size(), "shapes differ");
-    let a = a.to_kind(Kind::Double);
-    let scale = a.abs().max().double_value(&[]).max(1.0);
-    (a - b.to_kind(Kind::Double)).abs().max().double_value(&[]) / scale
-}
 
 /// Three micro-batches of two right-padded sequences each.
 fn micro_batches(vocab: i64) -> Vec<MicroBatch> {
@@ -130,40 +111,15 @@ fn stage_against_reference(
     let losses = pipe
         .train_1f1b(&m, &micro, &mut |i, h| Ok(loss(&m, &micro[i], i, h)))
         .unwrap();
-    let last = stage + 1 == stages;
-    if last {
+    if stage + 1 == stages {
         for (a, b) in want_hidden.iter().zip(hidden.as_ref().unwrap()) {
             let d = max_diff(a, b);
             assert!(d <= TOLERANCE, "{name}: final hidden states differ by {d}");
         }
-        assert_eq!(losses.len(), want_losses.len());
-        for (a, b) in want_losses.iter().zip(&losses) {
-            assert!(
-                (a - b).abs() <= TOLERANCE * a.abs().max(1.0),
-                "{name}: loss {b} against {a}"
-            );
-        }
     } else {
         assert!(hidden.is_none() && losses.is_empty());
     }
-    let grads = m.gather_gradients().unwrap();
-    assert!(!grads.is_empty(), "{name}: stage {stage} holds nothing");
-    let layers = pipe.layers();
-    for (n, g) in &grads {
-        let layer = n
-            .strip_prefix("model.layers.")
-            .or_else(|| n.strip_prefix("transformer.h."))
-            .and_then(|r| r.split('.').next())
-            .and_then(|i| i.parse::<usize>().ok());
-        if let Some(i) = layer {
-            assert!(layers.contains(&i), "{name}: stage {stage} holds layer {i}");
-        }
-        let d = max_diff(&want_grads[n], g);
-        assert!(
-            d <= TOLERANCE,
-            "{name}: stage {stage}: gradient of {n} differs by {d}"
-        );
-    }
+    check_stage(name, &m, &pipe, &losses, &want_losses, &want_grads);
     // One SGD step on both: the stage's parameters stay the whole model's.
     let lr = 0.1;
     let step = |model: &Model| {
@@ -251,7 +207,8 @@ fn a_tp2_pp2_training_step_on_4_ranks_equals_the_one_process_step() {
     );
 }
 
-/// Checks a stage's losses (on the last stage) and gradients against the reference.
+/// Checks a stage's losses (on the last stage) and gradients against the reference, and that
+/// the stage holds parameters of its own layers only.
 fn check_stage(
     name: &str,
     m: &Model,
@@ -262,21 +219,87 @@ fn check_stage(
 ) {
     let (stage, stages) = pipe.stage();
     if stage + 1 == stages {
+        assert_eq!(losses.len(), want_losses.len());
         for (a, b) in want_losses.iter().zip(losses) {
             assert!(
                 (a - b).abs() <= TOLERANCE * a.abs().max(1.0),
                 "{name}: loss {b} against {a}"
             );
         }
-        assert_eq!(losses.len(), want_losses.len());
     }
-    for (n, g) in m.gather_gradients().unwrap() {
-        let d = max_diff(&want_grads[&n], &g);
+    let grads = m.gather_gradients().unwrap();
+    assert!(!grads.is_empty(), "{name}: stage {stage} holds nothing");
+    let layers = pipe.layers();
+    for (n, g) in &grads {
+        let layer = n
+            .strip_prefix("model.layers.")
+            .or_else(|| n.strip_prefix("transformer.h."))
+            .and_then(|r| r.split('.').next())
+            .and_then(|i| i.parse::<usize>().ok());
+        if let Some(i) = layer {
+            assert!(layers.contains(&i), "{name}: stage {stage} holds layer {i}");
+        }
+        let d = max_diff(&want_grads[n], g);
         assert!(
             d <= TOLERANCE,
             "{name}: stage {stage}: gradient of {n} differs by {d}"
         );
     }
+}
+
+/// Two fixture models on 2 ranks, model `i`'s pipeline on `stage_ranks[i]`, each stage keeping
+/// only its parameters, with their micro-batches (the first `micro` of them).
+fn two_pipelines(
+    world: &ProcessGroup,
+    names: [&str; 2],
+    stage_ranks: [[usize; 2]; 2],
+    micro: usize,
+) -> (Vec<Model>, Vec<Pipeline>, Vec<Vec<MicroBatch>>) {
+    let mut models: Vec<Model> = names.iter().map(|n| load(n)).collect();
+    let mut pipes = Vec::new();
+    for (m, ranks) in models.iter_mut().zip(stage_ranks) {
+        let pipe = Pipeline::new(world, &ranks, m).unwrap();
+        let (stage, stages) = pipe.stage();
+        m.retain_stage(stage, stages).unwrap();
+        pipes.push(pipe);
+    }
+    let batches = models
+        .iter()
+        .map(|m| {
+            micro_batches(m.config().vocab_size)
+                .into_iter()
+                .take(micro)
+                .collect()
+        })
+        .collect();
+    (models, pipes, batches)
+}
+
+/// Runs this rank's `order` of the two models' subtasks as one fused schedule.
+fn run_two(
+    models: &[Model],
+    pipes: &mut [Pipeline],
+    micro: &[Vec<MicroBatch>],
+    order: &[(usize, usize, Pass)],
+) -> Vec<Vec<f64>> {
+    let (p0, p1) = pipes.split_at_mut(1);
+    let mut loss0 = |i: usize, h: &Tensor| Ok(loss(&models[0], &micro[0][i], i, h));
+    let mut loss1 = |i: usize, h: &Tensor| Ok(loss(&models[1], &micro[1][i], i, h));
+    let mut parts = [
+        FusedPart {
+            pipeline: &mut p0[0],
+            model: &models[0],
+            micro: &micro[0],
+            loss: &mut loss0,
+        },
+        FusedPart {
+            pipeline: &mut p1[0],
+            model: &models[1],
+            micro: &micro[1],
+            loss: &mut loss1,
+        },
+    ];
+    run_fused(&mut parts, order).unwrap()
 }
 
 /// Two models trained as one fused schedule (RLHFuse's intra-stage fusion) on 2 ranks: the
@@ -306,50 +329,14 @@ fn fused_rank(rank: usize) {
     let tasks: Vec<(usize, usize, Pass)> = mine
         .tasks
         .iter()
-        .map(|t| {
-            let pass = match t.kind {
-                TaskKind::Fwd => Pass::Forward,
-                TaskKind::Bwd => Pass::Backward,
-            };
-            (t.model, t.microbatch, pass)
-        })
+        .map(|t| (t.model, t.microbatch, Pass::from(t.kind)))
         .collect();
     // Both models' subtasks interleave on this rank.
     assert!(tasks.iter().any(|t| t.0 == 0) && tasks.iter().any(|t| t.0 == 1));
     let refs: Vec<_> = names.iter().map(|n| reference(n)).collect();
-    let mut models: Vec<Model> = names.iter().map(|n| load(n)).collect();
-    let mut pipes = Vec::new();
-    for (i, m) in models.iter_mut().enumerate() {
-        let ranks: Vec<usize> = (0..2)
-            .map(|j| fused_pipeline::device_of(2, i, 2, 0, j))
-            .collect();
-        let pipe = Pipeline::new(&world, &ranks, m).unwrap();
-        let (stage, stages) = pipe.stage();
-        m.retain_stage(stage, stages).unwrap();
-        pipes.push(pipe);
-    }
-    let micro: Vec<Vec<MicroBatch>> = models
-        .iter()
-        .map(|m| micro_batches(m.config().vocab_size))
-        .collect();
-    let (p0, p1) = pipes.split_at_mut(1);
-    let mut loss0 = |i: usize, h: &Tensor| Ok(loss(&models[0], &micro[0][i], i, h));
-    let mut loss1 = |i: usize, h: &Tensor| Ok(loss(&models[1], &micro[1][i], i, h));
-    let mut parts = [
-        FusedPart {
-            pipeline: &mut p0[0],
-            model: &models[0],
-            micro: &micro[0],
-            loss: &mut loss0,
-        },
-        FusedPart {
-            pipeline: &mut p1[0],
-            model: &models[1],
-            micro: &micro[1],
-            loss: &mut loss1,
-        },
-    ];
-    let losses = run_fused(&mut parts, &tasks).unwrap();
+    let ranks = |i: usize| [0, 1].map(|j| fused_pipeline::device_of(2, i, 2, 0, j));
+    let (models, mut pipes, micro) = two_pipelines(&world, names, [ranks(0), ranks(1)], 3);
+    let losses = run_two(&models, &mut pipes, &micro, &tasks);
     for (i, name) in names.iter().enumerate() {
         check_stage(
             name, &models[i], &pipes[i], &losses[i], &refs[i].0, &refs[i].2,
@@ -415,42 +402,8 @@ fn sends_never_block_rank(rank: usize) {
             (1, 1, b),
         ]
     };
-    let mut models: Vec<Model> = names.iter().map(|n| load(n)).collect();
-    let mut pipes = Vec::new();
-    for (i, m) in models.iter_mut().enumerate() {
-        let ranks = if i == 0 { [0, 1] } else { [1, 0] };
-        let pipe = Pipeline::new(&world, &ranks, m).unwrap();
-        let (stage, stages) = pipe.stage();
-        m.retain_stage(stage, stages).unwrap();
-        pipes.push(pipe);
-    }
-    let micro: Vec<Vec<MicroBatch>> = models
-        .iter()
-        .map(|m| {
-            micro_batches(m.config().vocab_size)
-                .into_iter()
-                .take(2)
-                .collect()
-        })
-        .collect();
-    let (p0, p1) = pipes.split_at_mut(1);
-    let mut loss0 = |i: usize, h: &Tensor| Ok(loss(&models[0], &micro[0][i], i, h));
-    let mut loss1 = |i: usize, h: &Tensor| Ok(loss(&models[1], &micro[1][i], i, h));
-    let mut parts = [
-        FusedPart {
-            pipeline: &mut p0[0],
-            model: &models[0],
-            micro: &micro[0],
-            loss: &mut loss0,
-        },
-        FusedPart {
-            pipeline: &mut p1[0],
-            model: &models[1],
-            micro: &micro[1],
-            loss: &mut loss1,
-        },
-    ];
-    run_fused(&mut parts, &order).unwrap();
+    let (models, mut pipes, micro) = two_pipelines(&world, names, [[0, 1], [1, 0]], 2);
+    run_two(&models, &mut pipes, &micro, &order);
     println!("rank {rank}: the order ran");
 }
 
@@ -467,4 +420,9 @@ fn a_stage_never_waits_for_its_own_sends() {
         "{}",
         ranks.all_output()
     );
+}
+
+/// Fixture `name` with its language-model head.
+fn load(name: &str) -> Model {
+    compare::load(name, Head::Lm)
 }

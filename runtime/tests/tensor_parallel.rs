@@ -6,6 +6,7 @@
 
 #![allow(clippy::unwrap_used)] // Test helpers: a failed unwrap is a failed test.
 
+mod compare;
 mod ranks;
 
 use std::path::PathBuf;
@@ -13,36 +14,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use braid_runtime::models::config::ModelConfig;
-use braid_runtime::{EngineOptions, Head, LoadOptions, Model, SamplingParams, Tokenizer, generate};
+use braid_runtime::{EngineOptions, Head, Model, SamplingParams, Tokenizer, generate};
+use compare::{TOLERANCE, fixture, load, max_diff};
 use ranks::{Ranks, child_rank, serial, world_group};
 use tch::{Device, Kind, Tensor};
-
-/// Agreement in f32: at most 1e-5 apart, relative to the reference tensor's largest magnitude
-/// where that exceeds 1 (sums in another order differ by a few ulps of their size).
-const TOLERANCE: f64 = 1e-5;
-
-fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
-        .join(name)
-}
-
-fn load(name: &str, head: Head) -> Model {
-    let options = LoadOptions {
-        head,
-        ..LoadOptions::default()
-    };
-    Model::load(&fixture(name), &options).unwrap()
-}
-
-/// The largest difference of `b` from the reference `a`, scaled by `a`'s largest magnitude
-/// where that exceeds 1.
-fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
-    assert_eq!(a.size(), b.size(), "shapes differ");
-    let a = a.to_kind(Kind::Double);
-    let scale = a.abs().max().double_value(&[]).max(1.0);
-    (a - b.to_kind(Kind::Double)).abs().max().double_value(&[]) / scale
-}
 
 /// Two right-padded sequences and the positions/targets of every next-token prediction.
 fn batch(vocab: i64) -> (Tensor, Tensor, Tensor, Tensor) {

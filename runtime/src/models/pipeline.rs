@@ -147,6 +147,16 @@ pub enum Pass {
     Backward,
 }
 
+impl From<braid_cost::fused_pipeline::Kind> for Pass {
+    /// A subtask of the fused-pipeline solver's schedule.
+    fn from(k: braid_cost::fused_pipeline::Kind) -> Pass {
+        match k {
+            braid_cost::fused_pipeline::Kind::Fwd => Pass::Forward,
+            braid_cost::fused_pipeline::Kind::Bwd => Pass::Backward,
+        }
+    }
+}
+
 /// 1F1B's order on stage `stage` of `stages` for `n` micro-batches: `stages - stage - 1`
 /// forwards, then one forward and one backward in turn, then the remaining backwards.
 pub fn one_f_one_b(stage: usize, stages: usize, n: usize) -> Vec<(usize, Pass)> {
