@@ -1326,15 +1326,17 @@ impl Model {
                     };
                     let (q, k, v) = self.llama_qkv(layer, &x, (&cos, &sin), kernels)?;
                     let (kc, vc) = write_and_read(cache, l, &k, &v);
-                    let (k, v) = (self.kv_for_queries(k), self.kv_for_queries(v));
-                    let (kc, vc) = (self.kv_for_queries(kc), self.kv_for_queries(vc));
+                    // Keys and values as this rank's queries read them (only the attention that
+                    // runs expands them, see `kv_for_queries`).
                     let a = (few_queries && layer.window.is_none())
                         .then(|| decode_attention(&q, &cache.keys[l], &cache.values[l], &lens))
                         .flatten()
                         .unwrap_or_else(|| {
                             if fresh && layer.window.is_none() {
+                                let (k, v) = (self.kv_for_queries(k), self.kv_for_queries(v));
                                 attend_with(&q, &k, &v, Attention::Causal)
                             } else {
+                                let (kc, vc) = (self.kv_for_queries(kc), self.kv_for_queries(vc));
                                 attend(&q, &kc, &vc, &mask)
                             }
                         });
