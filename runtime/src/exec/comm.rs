@@ -106,6 +106,26 @@ impl Comm {
         })
     }
 
+    /// The group of `members` (global ranks, sorted), which `mesh_groups` lists.
+    pub(super) fn group(&self, members: &[usize]) -> Result<Option<&ProcessGroup>> {
+        if members.len() <= 1 {
+            return Ok(None);
+        }
+        let mut m = members.to_vec();
+        m.sort_unstable();
+        self.meshes.get(&m).map(Some).ok_or_else(|| {
+            Error::invalid(
+                "plan",
+                format!("rank {} has no group for the ranks {m:?}", self.rank),
+            )
+        })
+    }
+
+    /// The world group (`None` with one process).
+    pub(super) fn world(&self) -> Option<&ProcessGroup> {
+        self.world.as_ref()
+    }
+
     /// Takes the group that carries samples of `generate` from `src` to `dst`, for the thread
     /// that uses it.
     pub(super) fn take_stream(
@@ -143,22 +163,6 @@ impl Comm {
             world.barrier()?;
         }
         Ok(())
-    }
-
-    /// Sends a tensor to `dst` over the world group (reshards).
-    pub(super) fn send(&self, t: &Tensor, dst: usize) -> Result<()> {
-        match &self.world {
-            Some(w) => Ok(w.send(t, dst, 0)?),
-            None => Err(Error::invalid("plan", "a one-process run sends nothing")),
-        }
-    }
-
-    /// Receives a tensor from `src` over the world group (reshards).
-    pub(super) fn recv(&self, t: &mut Tensor, src: usize) -> Result<()> {
-        match &self.world {
-            Some(w) => Ok(w.recv(t, src, 0)?),
-            None => Err(Error::invalid("plan", "a one-process run receives nothing")),
-        }
     }
 
     /// Ends the run in order (every rank).
@@ -249,11 +253,20 @@ pub(super) fn all_reduce_tensors(group: &ProcessGroup, tensors: Vec<Tensor>) -> 
     Ok(())
 }
 
-/// The member lists of the meshes of the plan's model calls with more than one device, in
-/// plan order (topological), each once.
+/// The member lists of the groups the plan's model calls need beyond the world, in plan
+/// order (topological), each once: the mesh of every call with more than one device, and for
+/// every pipeline-parallel `train` the ranks of each stage across its data-parallel replicas
+/// (which sum their gradients) and the stages of each replica (which sum the squares of their
+/// gradients for the norm).
 pub fn mesh_groups(exec: &ExecPlan) -> Vec<Vec<usize>> {
     let g = &exec.plan.graph;
     let mut out: Vec<Vec<usize>> = Vec::new();
+    let mut add = |mut members: Vec<usize>| {
+        members.sort_unstable();
+        if members.len() > 1 && !out.contains(&members) {
+            out.push(members);
+        }
+    };
     for id in g.topo_order().unwrap_or_else(|| g.node_ids()) {
         for p in exec
             .decisions
@@ -262,13 +275,124 @@ pub fn mesh_groups(exec: &ExecPlan) -> Vec<Vec<usize>> {
             .into_iter()
             .chain(exec.decisions.subtask_placements.get(&id))
         {
-            let members: Vec<usize> = p.devices().map(|d| d as usize).collect();
-            if members.len() > 1 && !out.contains(&members) {
-                out.push(members);
+            add(p.devices().map(|d| d as usize).collect());
+        }
+        if let (Some(Op::Train { .. }), Some(p)) = (g.node(id).map(|n| &n.op), exec.placement(id))
+            && p.pp > 1
+        {
+            let seats = seating(exec, id).unwrap_or_default();
+            for s in 0..p.pp {
+                add(stage_ranks_across(p, &seats, s));
+            }
+            for k in 0..p.dp {
+                add(replica_stage_ranks(p, &seats, k));
             }
         }
     }
     out
+}
+
+/// The rank that plays layout device `d` under `seats` (itself when not listed).
+pub fn seat(seats: &BTreeMap<u64, u64>, d: u64) -> usize {
+    seats.get(&d).copied().unwrap_or(d) as usize
+}
+
+/// The layout device rank `rank` plays under `seats` (the inverse of [`seat`]), or `None` when
+/// its own device is seated elsewhere and it plays none.
+pub fn played_by(seats: &BTreeMap<u64, u64>, rank: usize) -> Option<u64> {
+    let r = rank as u64;
+    match seats.iter().find(|(_, v)| **v == r) {
+        Some((d, _)) => Some(*d),
+        None if seats.contains_key(&r) => None,
+        None => Some(r),
+    }
+}
+
+/// The ranks of stage `stage` of every data-parallel replica of a pipeline on `p` (tensor rank
+/// 0), by replica.
+pub fn stage_ranks_across(p: &Placement, seats: &BTreeMap<u64, u64>, stage: u64) -> Vec<usize> {
+    (0..p.dp)
+        .map(|k| {
+            seat(
+                seats,
+                p.device_at(braid_ir::exec_plan::Coords {
+                    dp: k,
+                    tp: 0,
+                    pp: stage,
+                }),
+            )
+        })
+        .collect()
+}
+
+/// The ranks of replica `k`'s stages of a pipeline on `p` (tensor rank 0), in stage order.
+pub fn replica_stage_ranks(p: &Placement, seats: &BTreeMap<u64, u64>, k: u64) -> Vec<usize> {
+    (0..p.pp)
+        .map(|s| {
+            seat(
+                seats,
+                p.device_at(braid_ir::exec_plan::Coords {
+                    dp: k,
+                    tp: 0,
+                    pp: s,
+                }),
+            )
+        })
+        .collect()
+}
+
+/// Where the layout devices of `train` node `id` actually run: empty (each device itself)
+/// unless it is the reverse model of a fused schedule (`microbatch-interleave`), whose
+/// replica `r` of stage `s` the solver puts on device `stages - 1 - (r·pp + s)` of each forward
+/// pipeline (`braid_cost::fused_pipeline::device_of`), so that the two models' pipelines run
+/// in opposite directions. Refuses a pair of layouts the schedule cannot seat.
+pub fn seating(exec: &ExecPlan, id: NodeId) -> Result<BTreeMap<u64, u64>> {
+    let mut out = BTreeMap::new();
+    let Some(f) = exec.decisions.interleave.iter().find(|f| f.reverse == id) else {
+        return Ok(out);
+    };
+    let (Some(pf), Some(pr)) = (exec.placement(f.forward), exec.placement(f.reverse)) else {
+        return Err(Error::invalid(
+            "plan",
+            format!("the fused schedule of {} and {id} has no placements", f.forward),
+        ));
+    };
+    let per = pf.pp / pr.pp.max(1);
+    if (pf.first, pf.count, pf.tp) != (pr.first, pr.count, pr.tp)
+        || pr.pp == 0
+        || !pf.pp.is_multiple_of(pr.pp)
+        || pr.dp != pf.dp * per
+    {
+        return Err(Error::invalid(
+            "plan",
+            format!(
+                "{id} is interleaved with {} on layouts the fused schedule cannot seat (dp {} pp {} against dp {} pp {})",
+                f.forward, pr.dp, pr.pp, pf.dp, pf.pp
+            ),
+        ));
+    }
+    for j in 0..pr.dp {
+        let (k, r) = (j / per, j % per);
+        for s in 0..pr.pp {
+            let stage = braid_cost::fused_pipeline::device_of(
+                pf.pp as usize,
+                1,
+                pr.pp as usize,
+                r as usize,
+                s as usize,
+            ) as u64;
+            for t in 0..pr.tp {
+                let layout = pr.device_at(braid_ir::exec_plan::Coords { dp: j, tp: t, pp: s });
+                let actual = pf.device_at(braid_ir::exec_plan::Coords {
+                    dp: k,
+                    tp: t,
+                    pp: stage,
+                });
+                out.insert(layout, actual);
+            }
+        }
+    }
+    Ok(out)
 }
 
 /// Which rank generates sample `s` of a `generate` on placement `g` with `prompts` prompts of

@@ -40,7 +40,7 @@ impl<'p> Executor<'p> {
                 temperature: temperature as f32,
             };
             let out = infer_per_sample(
-                self.slots[model as usize].model()?,
+                self.slots[model as usize].whole()?,
                 op,
                 &seqs[block.clone()],
                 &opts,
@@ -92,7 +92,7 @@ impl<'p> Executor<'p> {
         };
         Ok(collect_rows(
             op,
-            infer_per_sample(slot.model()?, op, seqs, &opts)?,
+            infer_per_sample(slot.whole()?, op, seqs, &opts)?,
         ))
     }
 }

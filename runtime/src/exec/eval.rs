@@ -135,7 +135,7 @@ impl<'p> Executor<'p> {
         };
         let temperature = f64::from(sampling.logprob_temperature());
         let out = crate::generation::engine::generate(
-            slot.model()?,
+            slot.whole()?,
             tok,
             prompts.clone(),
             sampling,

@@ -58,6 +58,7 @@ mod setup;
 pub(super) mod stream;
 pub mod tensorboard;
 mod tokens;
+mod pipelined;
 mod train;
 mod values;
 
@@ -114,11 +115,32 @@ pub enum Event<'a> {
     },
 }
 
-/// A model of the run, as this rank holds it.
+/// Which copy of a model a call runs on, on this rank: the whole model, or one pipeline
+/// stage's share of it (a pipeline-parallel `train`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub(super) struct Share {
+    pub(super) stage: u64,
+    pub(super) stages: u64,
+}
+
+impl Share {
+    pub(super) const WHOLE: Share = Share {
+        stage: 0,
+        stages: 1,
+    };
+}
+
+/// A model of the run, as this rank holds it: one copy per way its calls here hold it (the
+/// whole model, or a pipeline stage's share), which reshards keep in step.
 struct Slot {
     spec: ModelSpec,
-    /// The weights, on the ranks where a call of this model runs (`None` elsewhere).
+    /// The copy the model trains on here (its training layout's, with the optimizer), or
+    /// else the first its calls here use; `None` on ranks where no call of the model runs.
     model: Option<Model>,
+    /// Which copy `model` is.
+    home: Share,
+    /// The other copies this rank's calls of the model run on.
+    views: BTreeMap<Share, Model>,
     /// Every rank has every model's tokenizer: prompts are encoded and samples decoded
     /// wherever their values are needed.
     tokenizer: Tokenizer,
@@ -127,6 +149,8 @@ struct Slot {
     total_opt_steps: i64,
     /// A copy that generation uses while the streamed consumers use `model`.
     replica: Option<Model>,
+    /// This rank's stage of the pipeline it trains in (pipeline-parallel trainings).
+    pipeline: Option<crate::models::pipeline::Pipeline>,
 }
 
 impl Slot {
@@ -148,6 +172,52 @@ impl Slot {
                 "is not on this rank (the plan runs none of its calls here)",
             )
         })
+    }
+
+    /// The copy `c` of the model.
+    fn copy(&self, c: Share) -> Result<&Model> {
+        if c == self.home && self.model.is_some() {
+            return self.model();
+        }
+        self.views.get(&c).ok_or_else(|| {
+            Error::invalid(
+                format!("model `{}`", self.spec.name),
+                format!(
+                    "has no copy for stage {} of {} on this rank",
+                    c.stage, c.stages
+                ),
+            )
+        })
+    }
+
+    fn copy_mut(&mut self, c: Share) -> Result<&mut Model> {
+        if c == self.home && self.model.is_some() {
+            return self.model_mut();
+        }
+        let name = self.spec.name.clone();
+        self.views.get_mut(&c).ok_or_else(|| {
+            Error::invalid(
+                format!("model `{name}`"),
+                format!(
+                    "has no copy for stage {} of {} on this rank",
+                    c.stage, c.stages
+                ),
+            )
+        })
+    }
+
+    /// The whole model (what inference and generation run on).
+    fn whole(&self) -> Result<&Model> {
+        self.copy(Share::WHOLE)
+    }
+
+    /// Every copy this rank holds, the generation replica included.
+    fn copies_mut(&mut self) -> impl Iterator<Item = &mut Model> {
+        self.model
+            .as_mut()
+            .into_iter()
+            .chain(self.views.values_mut())
+            .chain(self.replica.as_mut())
     }
 }
 
@@ -211,6 +281,20 @@ impl Executor<'_> {
     }
 }
 
+/// A `train` with its inputs, ready to run (or waiting for the one it is interleaved with).
+struct PendingTrain {
+    id: NodeId,
+    model: usize,
+    rollout: Arc<RolloutData>,
+    term: LossTerm,
+    epochs: i64,
+    minibatches: i64,
+    micro: usize,
+    seed: u64,
+    /// The rollout's node.
+    input: Option<NodeId>,
+}
+
 /// Generations per step written to `samples.jsonl`: the first sample of each of this many
 /// prompts, enough to read what the policy does without the file growing with the batch.
 const SAMPLES_PER_STEP: usize = 4;
@@ -226,6 +310,8 @@ impl<'p> Executor<'p> {
         let mut lengths = Vec::new();
         let seed = derive(self.plan.seed as u64, step as u64);
         let order = self.order.clone();
+        // Trainings waiting for the one they are interleaved with.
+        let mut deferred: BTreeMap<NodeId, PendingTrain> = BTreeMap::new();
         for id in order {
             if vals.contains_key(&id) {
                 continue;
@@ -358,28 +444,98 @@ impl<'p> Executor<'p> {
                     };
                     let per_minibatch = r.samples.len().div_ceil((*minibatches).max(1) as usize);
                     let micro = self.micro_size(id, per_minibatch);
-                    let (stats, own_logp) = self.train(
+                    let seed_t = derive(seed, 0x7EA1 ^ u64::from(id.0));
+                    let pp = self.exec.placement(id).map_or(1, |p| p.pp);
+                    let fused = self
+                        .exec
+                        .decisions
+                        .interleave
+                        .iter()
+                        .find(|f| f.forward == id || f.reverse == id)
+                        .map(|f| (f.forward, f.reverse));
+                    let pending = PendingTrain {
                         id,
-                        *model as usize,
-                        &r,
-                        &term,
-                        *epochs,
-                        *minibatches,
+                        model: *model as usize,
+                        rollout: r.clone(),
+                        term,
+                        epochs: *epochs,
+                        minibatches: *minibatches,
                         micro,
-                        derive(seed, 0x7EA1 ^ u64::from(id.0)),
-                    )?;
-                    // The reused log-probability nodes of this model on this rollout.
-                    for n in self.reused.clone() {
-                        let same = self.plan.graph.node(n).and_then(|x| x.op.model())
-                            == Some(*model)
-                            && self.plan.graph.inputs(n).first() == inputs.first();
-                        if same && let Some(rows) = &own_logp {
-                            vals.insert(n, Val::PerToken(Tokens::from_rows(rows)));
+                        seed: seed_t,
+                        input: inputs.first().copied(),
+                    };
+                    // A training interleaved with another waits for it (the later in the
+                    // order), then both run as one fused schedule.
+                    let batch: Vec<PendingTrain> = match fused {
+                        Some((f, rv)) => {
+                            let partner = if f == id { rv } else { f };
+                            match deferred.remove(&partner) {
+                                None => {
+                                    deferred.insert(id, pending);
+                                    continue;
+                                }
+                                Some(other) => {
+                                    if other.id == f {
+                                        vec![other, pending]
+                                    } else {
+                                        vec![pending, other]
+                                    }
+                                }
+                            }
                         }
-                    }
-                    let name = self.slots[*model as usize].spec.name.clone();
-                    for (k, v) in stats {
-                        m.insert(format!("{name}/{k}"), v);
+                        None => vec![pending],
+                    };
+                    let results: Vec<train::Trained> = if batch.len() > 1 || pp > 1 {
+                        let jobs: Vec<pipelined::Job<'_>> = batch
+                            .iter()
+                            .map(|b| pipelined::Job {
+                                id: b.id,
+                                model: b.model,
+                                rollout: &b.rollout,
+                                term: &b.term,
+                                epochs: b.epochs,
+                                minibatches: b.minibatches,
+                                micro: b.micro,
+                                seed: b.seed,
+                            })
+                            .collect();
+                        self.train_pipelined(&jobs)?
+                    } else {
+                        let b = &batch[0];
+                        vec![self.train(
+                            b.id,
+                            b.model,
+                            &b.rollout,
+                            &b.term,
+                            b.epochs,
+                            b.minibatches,
+                            b.micro,
+                            b.seed,
+                        )?]
+                    };
+                    let (a, e) = (
+                        t0.duration_since(t_step).as_secs_f64(),
+                        t_step.elapsed().as_secs_f64(),
+                    );
+                    for (b, (stats, own_logp)) in batch.iter().zip(results) {
+                        // The reused log-probability nodes of this model on this rollout.
+                        for n in self.reused.clone() {
+                            let same = self.plan.graph.node(n).and_then(|x| x.op.model())
+                                == Some(b.model as u32)
+                                && self.plan.graph.inputs(n).first() == b.input.as_ref();
+                            if same && let Some(rows) = &own_logp {
+                                vals.insert(n, Val::PerToken(Tokens::from_rows(rows)));
+                            }
+                        }
+                        let name = self.slots[b.model].spec.name.clone();
+                        for (k, v) in stats {
+                            m.insert(format!("{name}/{k}"), v);
+                        }
+                        if b.id != id {
+                            self.span(step, b.id, "train", a, e);
+                            vals.insert(b.id, Val::Unit);
+                            self.transfers_after(b.id)?;
+                        }
                     }
                     *time.entry("train").or_default() += t0.elapsed().as_secs_f64();
                     Val::Unit
@@ -405,6 +561,12 @@ impl<'p> Executor<'p> {
             if t2 - t1 > 1e-4 {
                 self.span(step, id, "transfer", t1, t2);
             }
+        }
+        if let Some(id) = deferred.keys().next() {
+            return Err(Error::invalid(
+                "plan",
+                format!("{id} is interleaved with a training that never ran"),
+            ));
         }
         // Rewards, KL and lengths of the rollout the policy learns from.
         if let Some(Val::PerSample(r)) = self.reward_node.and_then(|n| vals.get(&n)) {

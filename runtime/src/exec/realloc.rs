@@ -17,7 +17,7 @@ use std::collections::BTreeMap;
 use braid_cost::cost::ModelShape;
 use braid_ir::exec_plan::Placement;
 use braid_ir::settings::Head;
-use braid_ir::transfer::{Param, Slice, TransferPlan, dims, shard};
+use braid_ir::transfer::{Param, Slice, TransferPlan, dims, shard, split_dim};
 use tch::{Kind, Tensor};
 
 use crate::dist::ProcessGroup;
@@ -61,6 +61,19 @@ pub fn slices_of(
     Ok(out)
 }
 
+/// Where two layouts' devices sit and what rides along with their slices, for
+/// [`run_plan_mapped`]: `from` and `to` map a layout's device to the rank that holds what the
+/// layout gives that device (a device not listed is its own rank), for a model whose stages
+/// run on its mesh in another order than the layout's (the reverse model of a fused schedule);
+/// `extra_cols` are columns appended to a parameter's slices (a projection's bias, one column
+/// per row), which move with the rows they belong to.
+#[derive(Clone, Debug, Default)]
+pub struct Mapping {
+    pub from: BTreeMap<u64, u64>,
+    pub to: BTreeMap<u64, u64>,
+    pub extra_cols: BTreeMap<Param, i64>,
+}
+
 /// Runs `plan` (from layout `from` to layout `to` of a model of `shape` and `head`) on rank
 /// `rank` of `world`, whose ranks are the cluster's devices: `held` are this rank's slices
 /// under `from` (empty off its mesh), consumed; returns its slices under `to` (empty off that
@@ -74,14 +87,59 @@ pub fn run_plan(
     from: &Placement,
     to: &Placement,
     world: &ProcessGroup,
+    held: Slices,
+    kind: Kind,
+) -> Result<Slices> {
+    run_plan_mapped(
+        plan,
+        shape,
+        head,
+        from,
+        to,
+        world,
+        held,
+        kind,
+        &Mapping::default(),
+    )
+}
+
+/// [`run_plan`] with the devices of either layout seated elsewhere and extra columns riding
+/// along ([`Mapping`]).
+#[allow(clippy::too_many_arguments)]
+pub fn run_plan_mapped(
+    plan: &TransferPlan,
+    shape: &ModelShape,
+    head: Head,
+    from: &Placement,
+    to: &Placement,
+    world: &ProcessGroup,
     mut held: Slices,
     kind: Kind,
+    map: &Mapping,
 ) -> Result<Slices> {
     plan.verify(shape, head, from, to)
         .map_err(|e| Error::invalid("reshard", e))?;
+    for (p, &extra) in &map.extra_cols {
+        if extra != 0 && split_dim(*p) == Some(1) && from.tp.max(to.tp) > 1 {
+            return Err(Error::invalid(
+                "reshard",
+                format!("{p:?} splits its columns, so no extra column can ride along"),
+            ));
+        }
+    }
     let rank = world.rank() as u64;
-    let wanted = shard(shape, head, to, rank);
-    for s in shard(shape, head, from, rank) {
+    let seat = |m: &BTreeMap<u64, u64>, d: u64| m.get(&d).copied().unwrap_or(d);
+    // The layout device whose slices this rank holds (the inverse of the seating; none when
+    // its own device is seated elsewhere).
+    let device_of = |m: &BTreeMap<u64, u64>| {
+        m.iter()
+            .find(|(_, r)| **r == rank)
+            .map(|(d, _)| *d)
+            .unwrap_or(if m.contains_key(&rank) { u64::MAX } else { rank })
+    };
+    let (me_from, me_to) = (device_of(&map.from), device_of(&map.to));
+    let wanted = shard(shape, head, to, me_to);
+    for s in shard(shape, head, from, me_from) {
         if !held.contains_key(&s) {
             return Err(Error::invalid(
                 "reshard",
@@ -92,7 +150,7 @@ pub fn run_plan(
     // The last transfer that reads each held slice.
     let mut last_use: BTreeMap<Slice, usize> = BTreeMap::new();
     for (i, t) in plan.transfers.iter().enumerate() {
-        if t.from == rank
+        if seat(&map.from, t.from) == rank
             && let Some(src) = source_of(&held, &t.slice)
         {
             last_use.insert(src, i);
@@ -100,8 +158,10 @@ pub fn run_plan(
     }
     let mut pieces: BTreeMap<Param, Vec<(Slice, Tensor)>> = BTreeMap::new();
     for (i, t) in plan.transfers.iter().enumerate() {
-        let sending = t.from == rank;
-        let receiving = t.to.contains(&rank);
+        let sender = seat(&map.from, t.from);
+        let receivers: Vec<u64> = t.to.iter().map(|&d| seat(&map.to, d)).collect();
+        let sending = sender == rank;
+        let receiving = receivers.contains(&rank);
         if !sending && !receiving {
             continue;
         }
@@ -116,7 +176,7 @@ pub fn run_plan(
                 )
             })?;
             let piece = sub_slice(&held[&src], &src, &t.slice)?;
-            for &d in &t.to {
+            for &d in &receivers {
                 if d == rank {
                     pieces
                         .entry(t.slice.param)
@@ -132,6 +192,7 @@ pub fn run_plan(
             }
         } else {
             let (rows, cols) = param_shape(shape, t.slice.param);
+            let cols = cols + map.extra_cols.get(&t.slice.param).copied().unwrap_or(0);
             let len = (t.slice.end - t.slice.start) as i64;
             let dims = match t.slice.dim {
                 None => [rows, cols],
@@ -139,7 +200,7 @@ pub fn run_plan(
                 Some(_) => [rows, len],
             };
             let mut buf = Tensor::f_zeros(dims, (kind, tch::Device::Cpu))?;
-            world.recv(&mut buf, t.from as usize, tag)?;
+            world.recv(&mut buf, sender as usize, tag)?;
             pieces
                 .entry(t.slice.param)
                 .or_default()

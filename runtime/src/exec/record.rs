@@ -32,9 +32,8 @@ impl<'p> Executor<'p> {
                 device,
             },
         )?;
-        copy_weights(slot.model_mut()?, &loaded)?;
-        if let Some(r) = slot.replica.as_mut() {
-            copy_weights(r, &loaded)?;
+        for m in slot.copies_mut() {
+            copy_weights(m, &loaded)?;
         }
         Ok(())
     }
@@ -60,12 +59,19 @@ impl<'p> Executor<'p> {
             }
             self.load_weights(i, &dir)?;
             let name = self.slots[i].spec.name.clone();
+            let stage = self.slots[i].model()?.pipeline_stage();
             if let Some(opt) = self.slots[i].opt.as_mut() {
-                opt.load(&checkpoint::optimizer_path(&dir, &name))?;
+                opt.load(&checkpoint::stage_path(
+                    checkpoint::optimizer_path(&dir, &name),
+                    stage,
+                ))?;
                 if opt.has_masters() {
                     // The weights the run continues from; the model's copy is rounded from
                     // them (and equals the checkpoint's weights, which are that rounding).
-                    opt.load_masters(&checkpoint::master_path(&dir, &name))?;
+                    opt.load_masters(&checkpoint::stage_path(
+                        checkpoint::master_path(&dir, &name),
+                        stage,
+                    ))?;
                 }
             }
         }
@@ -279,7 +285,7 @@ impl<'p> Executor<'p> {
         self.comm.barrier()?;
         for (i, s) in self.slots.iter().enumerate() {
             if let Some(o) = &s.opt
-                && self.writer_of(i as u32) == Some(self.comm.rank)
+                && self.writes_model(i)?
             {
                 checkpoint::write_model(&tmp, &s.spec.name, s.model()?, &s.tokenizer, o)?;
             }
@@ -296,6 +302,28 @@ impl<'p> Executor<'p> {
         // Nobody runs on before the checkpoint is complete: a kill after this loses no step.
         self.comm.barrier()?;
         Ok(dir)
+    }
+
+    /// Whether this rank writes trained model `i` into checkpoints: the lowest rank of its
+    /// trainings' meshes, or with pipeline parallelism each stage of the first replica (its
+    /// own file of the sharded checkpoint).
+    fn writes_model(&self, i: usize) -> Result<bool> {
+        let home = self.slots[i].home;
+        if home.stages <= 1 {
+            return Ok(self.writer_of(i as u32) == Some(self.comm.rank));
+        }
+        for id in self.plan.graph.node_ids() {
+            if let (Some(Op::Train { model, .. }), Some(p)) = (
+                self.plan.graph.node(id).map(|n| &n.op),
+                self.exec.placement(id),
+            ) && *model as usize == i
+            {
+                let seats = comm::seating(self.exec, id)?;
+                let c = comm::played_by(&seats, self.comm.rank).and_then(|d| p.coords(d));
+                return Ok(c.is_some_and(|c| c.dp == 0 && c.tp == 0));
+            }
+        }
+        Ok(false)
     }
 
     /// The rank that writes model `m` into checkpoints: the lowest rank of its trainings'

@@ -1,12 +1,15 @@
 //! Parameter reallocation between calls (ReaL): the plan's `reshard`, `offload` and `reload`
 //! nodes, run right after the call they follow. A reshard runs its transfer plan — every slice
-//! of every parameter from its sender to its receivers — in the plan's order on every rank,
-//! so sends and receives meet; a local copy is nothing to do, since a rank holds one copy of
-//! each model for all its calls. Offload moves a model's weights to host memory and reload
+//! of every parameter from its sender to its receivers — in the plan's order on every rank
+//! (`realloc::run_plan_mapped`), from the copy of the model the earlier call ran on here into
+//! the copy the later one runs on (the whole model, or a pipeline stage's share of it), so a
+//! training's updated weights reach its generation and inference layouts. Offload moves a model's weights to host memory and reload
 //! brings them back (nothing to move on a CPU).
 
 use super::*;
-use braid_ir::transfer::{LayerPart, Param};
+use braid_cost::cost::ModelShape;
+use braid_ir::transfer::{LayerPart, Param, Slice};
+use realloc::{Mapping, Slices, run_plan_mapped};
 
 impl<'p> Executor<'p> {
     /// Runs the transfer nodes that follow call `after`.
@@ -58,11 +61,7 @@ impl<'p> Executor<'p> {
     /// or back to its device: on a GPU through pinned host memory (`Model::offload`), so that
     /// the way back is one asynchronous DMA transfer per tensor.
     fn move_model(&mut self, model: usize, device: Device) -> Result<()> {
-        let slot = &mut self.slots[model];
-        for m in [slot.model.as_mut(), slot.replica.as_mut()]
-            .into_iter()
-            .flatten()
-        {
+        for m in self.slots[model].copies_mut() {
             if device == Device::Cpu {
                 m.offload()?;
             } else {
@@ -72,57 +71,206 @@ impl<'p> Executor<'p> {
         Ok(())
     }
 
-    /// Runs reshard node `id` of model `model`: its transfer plan, in order.
+    /// Which share of its model call `id` runs on here (`None` when this rank plays no device
+    /// of its mesh).
+    pub(super) fn share_of(&self, id: NodeId) -> Result<Option<Share>> {
+        let Some(p) = self.exec.placement(id) else {
+            return Ok(None);
+        };
+        let seats = comm::seating(self.exec, id)?;
+        let Some(c) = comm::played_by(&seats, self.comm.rank).and_then(|d| p.coords(d)) else {
+            return Ok(None);
+        };
+        Ok(Some(if p.pp > 1 {
+            Share {
+                stage: c.pp,
+                stages: p.pp,
+            }
+        } else {
+            Share::WHOLE
+        }))
+    }
+
+    /// Runs reshard node `id` of model `model`: its transfer plan from the layout of the call
+    /// before it to the layout of the call after it (`realloc::run_plan_mapped`), from the
+    /// copy the first runs on here into the copy the second runs on.
     fn reshard(&mut self, id: NodeId, model: usize) -> Result<()> {
         let Some(t) = self.exec.decisions.transfers.get(&id) else {
             return Err(Error::invalid("plan", format!("{id} has no transfer plan")));
         };
-        let rank = self.comm.rank as u64;
-        let slot = &mut self.slots[model];
-        let mut moved = false;
-        for tr in &t.plan.transfers {
-            let remote: Vec<u64> = tr.to.iter().copied().filter(|d| *d != tr.from).collect();
-            if remote.is_empty() {
-                continue;
-            }
-            let sending = tr.from == rank;
-            let receiving = remote.contains(&rank);
-            if !sending && !receiving {
-                continue;
-            }
-            let m = slot.model.as_mut().ok_or_else(|| {
-                Error::invalid(
-                    format!("model `{}`", slot.spec.name),
-                    format!("a transfer of {id} involves rank {rank}, which does not hold it"),
-                )
-            })?;
-            let tensors = param_tensors(m, tr.slice.param)?;
-            // Data-parallel layouts move whole parameters: the runtime has no tensor- or
-            // pipeline-parallel shards to cut (refused when the run is set up).
-            for mut t in tensors {
-                if sending {
-                    for d in &remote {
-                        self.comm.send(&t.detach(), *d as usize)?;
-                    }
-                } else {
-                    let mut buf = t.detach().zeros_like();
-                    self.comm.recv(&mut buf, tr.from as usize)?;
-                    tch::no_grad(|| t.copy_(&buf));
-                    moved = true;
-                }
+        let Some(Op::Reshard { after, before, .. }) =
+            self.plan.graph.node(id).map(|n| n.op.clone())
+        else {
+            return Err(Error::invalid("plan", format!("{id} is not a reshard")));
+        };
+        let (Some(pa), Some(pb)) = (
+            self.exec.placement(after).copied(),
+            self.exec.placement(before).copied(),
+        ) else {
+            return Err(Error::invalid(
+                "plan",
+                format!("{id}: its calls have no placements"),
+            ));
+        };
+        let (from, to) = (self.share_of(after)?, self.share_of(before)?);
+        if from.is_none() && to.is_none() {
+            return Ok(());
+        }
+        let Some(world) = self.comm.world() else {
+            // One process: every call runs on the one whole model.
+            return Ok(());
+        };
+        let slot = &self.slots[model];
+        let any = slot.model()?;
+        let shape = shape_of(any);
+        let head = any.head();
+        let kind = any.kind();
+        let extra = extra_cols(any);
+        let mut held = Slices::new();
+        if let Some(f) = from {
+            let m = slot.copy(f)?;
+            let device = comm::played_by(&comm::seating(self.exec, after)?, self.comm.rank)
+                .unwrap_or(u64::MAX);
+            for s in braid_ir::transfer::shard(&shape, head, &pa, device) {
+                held.insert(s, slice_tensor(m, &s)?);
             }
         }
-        if moved && let (Some(m), Some(r)) = (slot.model.as_ref(), slot.replica.as_mut()) {
-            copy_weights(r, m)?;
+        let map = Mapping {
+            from: comm::seating(self.exec, after)?,
+            to: comm::seating(self.exec, before)?,
+            extra_cols: extra,
+        };
+        let out = run_plan_mapped(&t.plan, &shape, head, &pa, &pb, world, held, kind, &map)?;
+        if let Some(b) = to {
+            let slot = &mut self.slots[model];
+            {
+                let m = slot.copy_mut(b)?;
+                for (s, t) in &out {
+                    write_slice(m, s, t)?;
+                }
+            }
+            if b == Share::WHOLE {
+                let whole = slot.whole()?;
+                if let Some(r) = slot.replica.as_ref() {
+                    // The generation copy follows the whole model.
+                    copy_values(r, whole)?;
+                }
+            }
         }
         Ok(())
     }
 }
 
-/// The tensors of a parameter role in a Llama-family model (a projection's bias with its
-/// weight).
-fn param_tensors(m: &Model, p: Param) -> Result<Vec<Tensor>> {
-    let names: Vec<String> = match p {
+/// The planner's shape of `m` (what its transfer plans were made for).
+pub(super) fn shape_of(m: &Model) -> ModelShape {
+    let c = m.config();
+    ModelShape {
+        name: m.source().display().to_string(),
+        layers: c.num_layers as u64,
+        hidden: c.hidden_size as u64,
+        heads: c.num_heads as u64,
+        kv_heads: c.num_kv_heads as u64,
+        intermediate: c.intermediate_size as u64,
+        vocab: c.vocab_size as u64,
+        tied_embeddings: c.tie_word_embeddings,
+        declared_params: None,
+    }
+}
+
+/// The parameters whose slices carry their bias as an extra column.
+fn extra_cols(m: &Model) -> BTreeMap<Param, i64> {
+    let names: BTreeSet<String> = m.named_parameters().into_iter().map(|(n, _)| n).collect();
+    let shape = shape_of(m);
+    braid_ir::transfer::params(&shape, m.head())
+        .into_iter()
+        .filter(|p| {
+            param_names(*p)
+                .get(1)
+                .is_some_and(|b| names.contains(b.as_str()))
+        })
+        .map(|p| (p, 1))
+        .collect()
+}
+
+/// Slice `s` of `m`'s parameter as a `[rows, cols]` tensor (norms as one row), its bias (if
+/// any) as one more column.
+fn slice_tensor(m: &Model, s: &Slice) -> Result<Tensor> {
+    let (w, b) = param_pair(m, s.param)?;
+    let w2 = if w.dim() == 1 { w.unsqueeze(0) } else { w };
+    let t = match b {
+        Some(b) => Tensor::f_cat(&[w2, b.reshape([-1, 1]).to_kind(m.kind())], 1)?,
+        None => w2,
+    };
+    Ok(realloc::cut(&t.detach(), s)?.to_device(Device::Cpu))
+}
+
+/// Writes slice `s` (as `slice_tensor` gives it) into `m`'s parameter.
+fn write_slice(m: &Model, s: &Slice, t: &Tensor) -> Result<()> {
+    let (w, b) = param_pair(m, s.param)?;
+    let device = w.device();
+    let wcols = if w.dim() == 1 { w.size()[0] } else { w.size()[1] };
+    let full = if w.dim() == 1 { w.unsqueeze(0) } else { w.shallow_clone() };
+    let (mut wdst, mut bdst) = match s.dim {
+        None => (full, b),
+        Some(d) => {
+            let len = (s.end - s.start) as i64;
+            let bpart = match (&b, d) {
+                (Some(b), 0) => Some(b.f_narrow(0, s.start as i64, len)?),
+                (Some(b), _) => Some(b.shallow_clone()),
+                (None, _) => None,
+            };
+            (full.f_narrow(i64::from(d), s.start as i64, len)?, bpart)
+        }
+    };
+    let t = t.to_device(device);
+    tch::no_grad(|| -> Result<()> {
+        wdst.f_copy_(&t.f_narrow(1, 0, wdst.size()[1].min(wcols))?)?;
+        if let Some(bd) = bdst.as_mut() {
+            let col = t.f_narrow(1, t.size()[1] - 1, 1)?.reshape([-1]);
+            if s.dim != Some(1) {
+                bd.f_copy_(&col)?;
+            }
+        }
+        Ok(())
+    })
+}
+
+/// The weight of a parameter role and its bias, when the model has one.
+fn param_pair(m: &Model, p: Param) -> Result<(Tensor, Option<Tensor>)> {
+    let names = param_names(p);
+    let all: BTreeMap<String, Tensor> = m.named_parameters().into_iter().collect();
+    let w = all.get(&names[0]).map(Tensor::shallow_clone).ok_or_else(|| {
+        Error::invalid(
+            "reshard",
+            format!(
+                "the model has no `{}` (reshards move Llama-family models)",
+                names[0]
+            ),
+        )
+    })?;
+    let b = names.get(1).and_then(|n| all.get(n)).map(Tensor::shallow_clone);
+    Ok((w, b))
+}
+
+/// Copies every parameter's values from `src` into `dst` (models of one architecture, each
+/// whole).
+fn copy_values(dst: &Model, src: &Model) -> Result<()> {
+    let from: BTreeMap<String, Tensor> = src.named_parameters().into_iter().collect();
+    tch::no_grad(|| -> Result<()> {
+        for (name, t) in dst.named_parameters() {
+            if let Some(s) = from.get(&name) {
+                let mut d = t.shallow_clone();
+                d.f_copy_(s)?;
+            }
+        }
+        Ok(())
+    })
+}
+
+/// The Hugging Face names of a parameter role in a Llama-family model: the weight, and the
+/// bias a projection may have.
+fn param_names(p: Param) -> Vec<String> {
+    match p {
         Param::Embed => vec!["model.embed_tokens.weight".into()],
         Param::FinalNorm => vec!["model.norm.weight".into()],
         Param::LmHead => vec!["lm_head.weight".into()],
@@ -146,18 +294,5 @@ fn param_tensors(m: &Model, p: Param) -> Result<Vec<Tensor>> {
                 vec![format!("{p}.{module}.weight"), format!("{p}.{module}.bias")]
             }
         }
-    };
-    let all: BTreeMap<String, Tensor> = m.named_parameters().into_iter().collect();
-    let first = names.first().cloned().unwrap_or_default();
-    let out: Vec<Tensor> = names
-        .iter()
-        .filter_map(|n| all.get(n).map(Tensor::shallow_clone))
-        .collect();
-    if out.is_empty() {
-        return Err(Error::invalid(
-            "reshard",
-            format!("the model has no `{first}` (reshards move Llama-family models)"),
-        ));
     }
-    Ok(out)
 }

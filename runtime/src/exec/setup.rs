@@ -62,18 +62,82 @@ impl<'p> Executor<'p> {
                 needs_replica.insert(*model);
             }
         }
+        // Which share of each model this rank's calls run on (the whole model, or a pipeline
+        // stage of a training), and the one it trains on.
+        let mut shares: BTreeMap<u32, BTreeSet<Share>> = BTreeMap::new();
+        let mut train_share: BTreeMap<u32, Share> = BTreeMap::new();
+        for id in &order {
+            let Some(node) = plan.graph.node(*id) else {
+                continue;
+            };
+            let (Some(m), Some(p)) = (node.op.model(), exec.placement(*id)) else {
+                continue;
+            };
+            let is_train = matches!(node.op, Op::Train { .. });
+            if p.tp > 1 || (p.pp > 1 && !is_train) {
+                return Err(Error::invalid(
+                    "plan",
+                    format!(
+                        "{} runs with tensor parallelism {} and pipeline parallelism {}; this runtime executes tensor parallelism only in `braid generate --tp`, and pipeline parallelism only for `train` calls: plan with `place` pins of `tp 1` (and `pp 1` for generation and inference)",
+                        id, p.tp, p.pp
+                    ),
+                ));
+            }
+            let seats = comm::seating(exec, *id)?;
+            let Some(device) = comm::played_by(&seats, rank) else {
+                continue;
+            };
+            let Some(c) = p.coords(device) else {
+                continue;
+            };
+            let share = if p.pp > 1 {
+                Share {
+                    stage: c.pp,
+                    stages: p.pp,
+                }
+            } else {
+                Share::WHOLE
+            };
+            shares.entry(m).or_default().insert(share);
+            if is_train {
+                if let Some(old) = train_share.insert(m, share)
+                    && old != share
+                {
+                    return Err(Error::invalid(
+                        "plan",
+                        format!(
+                            "model `{}` trains in two layouts on rank {rank}; this runtime trains a model in one",
+                            plan.models[m as usize].name
+                        ),
+                    ));
+                }
+            }
+        }
         let mut slots = Vec::new();
         for (i, spec) in plan.models.iter().enumerate() {
             let slot = i as u32;
             let kind = kind_of(spec)?;
             let trained = trains_here.contains(&slot);
+            let mine = shares.get(&slot).cloned().unwrap_or_default();
+            let home = train_share
+                .get(&slot)
+                .copied()
+                .or_else(|| mine.iter().next().copied())
+                .unwrap_or(Share::WHOLE);
+            let cut = |mut m: Model, s: Share| -> Result<Model> {
+                if s.stages > 1 {
+                    m.retain_stage(s.stage as usize, s.stages as usize)?;
+                }
+                Ok(m)
+            };
             let (model, tokenizer, opt) = match (&spec.optimizer, trained, here.contains(&slot)) {
                 (Some(c), true, true) => {
                     // Mixed precision: the source is read in f32 (its own precision, or more),
                     // those values become the optimizer's f32 masters, and the model computes
                     // on a copy rounded once into its dtype.
-                    let (mut model, tokenizer) =
+                    let (model, tokenizer) =
                         build_model(plan, i, &options.base_dir, options.device, Kind::Float)?;
+                    let mut model = cut(model, home)?;
                     let opt = if kind == Kind::Float {
                         AdamW::new(&model, c.clone())?
                     } else {
@@ -93,17 +157,27 @@ impl<'p> Executor<'p> {
                 (_, _, true) => {
                     let (model, tokenizer) =
                         build_model(plan, i, &options.base_dir, options.device, kind)?;
-                    (Some(model), tokenizer, None)
+                    (Some(cut(model, home)?), tokenizer, None)
                 }
                 _ => (None, build_tokenizer(plan, i, &options.base_dir)?, None),
             };
+            let mut views = BTreeMap::new();
+            if model.is_some() {
+                for &s in mine.iter().filter(|s| **s != home) {
+                    let (m, _) = build_model(plan, i, &options.base_dir, options.device, kind)?;
+                    views.insert(s, cut(m, s)?);
+                }
+            }
             slots.push(Slot {
                 spec: spec.clone(),
                 model,
+                home,
+                views,
                 tokenizer,
                 opt,
                 total_opt_steps: opt_steps.get(&slot).copied().unwrap_or(0),
                 replica: None,
+                pipeline: None,
             });
         }
         let retokenize = token_readers(plan, &order, &slots)?;
@@ -113,25 +187,10 @@ impl<'p> Executor<'p> {
                 "evaluation during training runs in one process only for now; run without `eval`, or evaluate a checkpoint with `braid run --eval-only`",
             ));
         }
-        if let Some(bad) = exec
-            .decisions
-            .placements
-            .iter()
-            .chain(&exec.decisions.subtask_placements)
-            .find(|(_, p)| p.tp > 1 || p.pp > 1)
-        {
+        if !exec.decisions.interleave.is_empty() && world <= 1 {
             return Err(Error::invalid(
                 "plan",
-                format!(
-                    "{} runs with tensor parallelism {} and pipeline parallelism {}; this runtime executes data-parallel layouts only (tp 1, pp 1): plan with `place` pins of `tp 1 pp 1`",
-                    bad.0, bad.1.tp, bad.1.pp
-                ),
-            ));
-        }
-        if !exec.decisions.interleave.is_empty() {
-            return Err(Error::invalid(
-                "plan",
-                "interleaves two trainings into one fused pipeline schedule, which this runtime does not execute yet: plan with `fuse off` or without `interleave` pins",
+                "interleaves two pipeline-parallel trainings, which needs their ranks: run it under `braid launch`",
             ));
         }
         let comm = match &options.dist {
@@ -173,17 +232,57 @@ impl<'p> Executor<'p> {
             let i = model as usize;
             if ex.slots[i].opt.is_some() {
                 // Generation's copy: the model's dtype only, refreshed after every update.
-                let kind = ex.slots[i].model()?.kind();
+                let kind = ex.slots[i].whole()?.kind();
                 let (mut replica, _) =
                     build_model(plan, i, &ex.options.base_dir, ex.options.device, kind)?;
-                copy_weights(&mut replica, ex.slots[i].model()?)?;
+                copy_weights(&mut replica, ex.slots[i].whole()?)?;
                 ex.slots[i].replica = Some(replica);
             }
         }
+        ex.connect_pipelines()?;
         if ex.options.resume {
             ex.restore()?;
         }
         Ok(ex)
+    }
+
+    /// Creates this rank's stage of every pipeline-parallel training it takes part in, in plan
+    /// order on every rank (each pipeline's links are groups of its neighbouring stages).
+    fn connect_pipelines(&mut self) -> Result<()> {
+        for id in self.order.clone() {
+            let (Some(Op::Train { model, .. }), Some(p)) = (
+                self.plan.graph.node(id).map(|n| &n.op),
+                self.exec.placement(id),
+            ) else {
+                continue;
+            };
+            if p.pp <= 1 {
+                continue;
+            }
+            let seats = comm::seating(self.exec, id)?;
+            for k in 0..p.dp {
+                let ranks = comm::replica_stage_ranks(p, &seats, k);
+                if !ranks.contains(&self.comm.rank) {
+                    continue;
+                }
+                let Some(world) = self.comm.world() else {
+                    return Err(Error::invalid(
+                        "plan",
+                        format!("{id} trains in a pipeline of {} stages in one process", p.pp),
+                    ));
+                };
+                let slot = &mut self.slots[*model as usize];
+                if slot.pipeline.is_some() {
+                    return Err(Error::invalid(
+                        format!("model `{}`", slot.spec.name),
+                        "trains in two pipelines on one rank; this runtime trains a model in one",
+                    ));
+                }
+                let pipe = crate::models::pipeline::Pipeline::new(world, &ranks, slot.model()?)?;
+                slot.pipeline = Some(pipe);
+            }
+        }
+        Ok(())
     }
 
     /// The step the run starts at (0, or the checkpoint's step when resuming).
@@ -412,7 +511,7 @@ pub(super) fn build_tokenizer(plan: &Plan, slot: usize, base_dir: &Path) -> Resu
 pub(super) fn copy_weights(dst: &mut Model, src: &Model) -> Result<()> {
     let from: BTreeMap<String, Tensor> = src.named_parameters().into_iter().collect();
     tch::no_grad(|| -> Result<()> {
-        for (name, t) in dst.named_parameters() {
+        for (name, t) in dst.held_parameters() {
             let s = from.get(&name).ok_or_else(|| {
                 Error::invalid(
                     "replica",

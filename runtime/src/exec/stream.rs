@@ -142,6 +142,8 @@ impl<'p> Executor<'p> {
         for (i, s) in self.slots.iter_mut().enumerate() {
             let Slot {
                 model: m,
+                home,
+                views,
                 replica,
                 tokenizer,
                 ..
@@ -149,7 +151,13 @@ impl<'p> Executor<'p> {
             if i == model {
                 tok = Some(tokenizer);
             }
-            let Some(m) = m.as_mut() else { continue };
+            // Generation and inference run on the whole model.
+            let whole = if *home == Share::WHOLE {
+                m.as_mut()
+            } else {
+                views.get_mut(&Share::WHOLE)
+            };
+            let Some(m) = whole else { continue };
             if i == model && !mine.is_empty() {
                 // A replica exists only when a streamed consumer runs on this model here.
                 match (replica, streams_here) {

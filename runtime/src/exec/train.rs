@@ -268,6 +268,21 @@ pub(super) fn train_forward(
     } else {
         (model.hidden_states(&ids, Some(&mask))?, None)
     };
+    let mut out = head_outputs(model, &hidden, seqs, temperature, head)?;
+    out.checkpoint = checkpoint;
+    Ok(out)
+}
+
+/// The head's outputs at the completion tokens of `seqs` from the final hidden states
+/// `[B, T, hidden]` (a whole model's, or a pipeline's last stage's).
+pub(super) fn head_outputs(
+    model: &Model,
+    hidden: &Tensor,
+    seqs: &[&Rollout],
+    temperature: f64,
+    head: Head,
+) -> Result<TrainOut> {
+    let checkpoint = None;
     let mut rows = Vec::new();
     let mut cols = Vec::new();
     let mut targets = Vec::new();

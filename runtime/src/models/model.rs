@@ -660,7 +660,7 @@ impl Model {
     /// Whether pipeline stage `stage` of `stages` keeps parameter `name`: its layers'; the
     /// embedding on the first stage (and the last, when tied to the head); the final norm and
     /// the head on the last; GPT-2's position embedding on the first.
-    fn stage_holds(&self, name: &str, stage: usize, stages: usize) -> bool {
+    pub fn stage_holds(&self, name: &str, stage: usize, stages: usize) -> bool {
         let last = stage + 1 == stages;
         let layer = name
             .strip_prefix("model.layers.")
@@ -697,6 +697,12 @@ impl Model {
         })?;
         self.stage = Some((stage, stages));
         Ok(())
+    }
+
+    /// The pipeline stage this model keeps (`retain_stage`) and the number of stages, or
+    /// `None` when it is whole.
+    pub fn pipeline_stage(&self) -> Option<(usize, usize)> {
+        self.stage
     }
 
     /// The parameters this rank holds: all of them, or a pipeline stage's share.

@@ -118,16 +118,50 @@ pub fn save_pretrained(model: &Model, tokenizer: &Tokenizer, dir: &Path) -> Resu
         &config.to_json(&architecture(model), dtype),
     )?;
 
-    // Tensors: one safetensors file in the model's dtype.
-    let params: Vec<(String, Tensor)> = model
-        .named_parameters()
-        .into_iter()
-        .map(|(name, t)| {
-            let t = t.detach().to_kind(model.kind());
-            (name, t)
-        })
-        .collect();
-    write_safetensors(&dir.join("model.safetensors"), &params)?;
+    // Tensors: one safetensors file in the model's dtype; a pipeline stage writes its own
+    // file of a sharded checkpoint (the first stage the index too, and a parameter that
+    // several stages hold is written by the first of them).
+    let file_of = |name: &str| -> (usize, String) {
+        match model.pipeline_stage() {
+            Some((_, n)) => {
+                let s = (0..n).find(|s| model.stage_holds(name, *s, n)).unwrap_or(0);
+                (s, format!("model-{:05}-of-{n:05}.safetensors", s + 1))
+            }
+            None => (0, "model.safetensors".to_string()),
+        }
+    };
+    let here = model.pipeline_stage().map_or(0, |(s, _)| s);
+    let mut file = "model.safetensors".to_string();
+    let mut params: Vec<(String, Tensor)> = Vec::new();
+    for (name, t) in model.held_parameters() {
+        let (s, f) = file_of(&name);
+        if s == here {
+            params.push((name, t.detach().to_kind(model.kind())));
+            file = f;
+        }
+    }
+    if let Some((_, n)) = model.pipeline_stage() {
+        file = format!("model-{:05}-of-{n:05}.safetensors", here + 1);
+        if here == 0 {
+            let map: serde_json::Map<String, Value> = model
+                .named_parameters()
+                .into_iter()
+                .map(|(name, _)| {
+                    let f = file_of(&name).1;
+                    (name, json!(f))
+                })
+                .collect();
+            write_json(
+                &dir.join("model.safetensors.index.json"),
+                &json!({"metadata": {}, "weight_map": map}),
+            )?;
+        }
+    }
+    write_safetensors(&dir.join(&file), &params)?;
+    if here > 0 {
+        // The first stage writes the configuration and the tokenizer.
+        return Ok(());
+    }
 
     // Tokenizer: the files it came from, or the byte tokenizer written out.
     if tokenizer.is_bytes() {

@@ -131,6 +131,15 @@ pub fn master_path(dir: &Path, name: &str) -> PathBuf {
     dir.join("master").join(format!("{name}.safetensors"))
 }
 
+/// `path` for pipeline stage `stage` (`Some((s, n))`: stage `s` of `n`, each stage's state in
+/// a file of its own), or `path` itself for a whole model.
+pub fn stage_path(path: PathBuf, stage: Option<(usize, usize)>) -> PathBuf {
+    match stage {
+        Some((s, n)) => path.with_extension(format!("stage-{s}-of-{n}.safetensors")),
+        None => path,
+    }
+}
+
 fn step_dir_name(step: i64) -> String {
     format!("step-{step:06}")
 }
@@ -180,10 +189,11 @@ pub fn write_model(
     opt: &AdamW,
 ) -> Result<()> {
     save_pretrained(model, tokenizer, &tmp.join("models").join(name))?;
-    opt.save(&optimizer_path(tmp, name))?;
+    let stage = model.pipeline_stage();
+    opt.save(&stage_path(optimizer_path(tmp, name), stage))?;
     if opt.has_masters() {
         fs::create_dir_all(tmp.join("master")).map_err(|e| io(tmp, "cannot create", e))?;
-        opt.save_masters(&master_path(tmp, name))?;
+        opt.save_masters(&stage_path(master_path(tmp, name), stage))?;
     }
     Ok(())
 }

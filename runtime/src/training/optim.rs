@@ -262,12 +262,39 @@ impl AdamW {
         total.sqrt() * inv
     }
 
+    /// The sum of the squares of the gradients (unscaled), each parameter's weighted by
+    /// `weight(name)`: what a model cut over several ranks sums over them, counting a
+    /// parameter that several ranks hold once (their weights summing to one), before the
+    /// square root that gives the norm (`step_with_norm`).
+    pub fn grad_squares(&self, weight: &dyn Fn(&str) -> f64) -> f64 {
+        let inv = 1.0 / self.loss_scale();
+        let mut total = 0.0;
+        for i in 0..self.params.len() {
+            let w = weight(&self.params[i].name);
+            if w == 0.0 {
+                continue;
+            }
+            if let Some(g) = self.raw_grad(i)
+                && g.numel() > 0
+            {
+                total += w * g.square().sum(Kind::Double).double_value(&[]);
+            }
+        }
+        total * inv * inv
+    }
+
     /// Clips gradients to `max_norm` (if given), takes one step at `lr`, and returns the norm
     /// before clipping. Non-finite gradients skip the step: no parameter, moment or step count
     /// changes, the skip is counted, and an f16 model's loss scale halves.
     pub fn step(&mut self, lr: f64, max_norm: Option<f64>) -> StepOutcome {
-        let scale_used = self.loss_scale();
         let norm = self.grad_norm();
+        self.step_with_norm(lr, max_norm, norm)
+    }
+
+    /// `step` with the gradient norm given: the norm over every rank a model is cut across
+    /// (from `grad_squares`), so that all of them clip, and skip, alike.
+    pub fn step_with_norm(&mut self, lr: f64, max_norm: Option<f64>, norm: f64) -> StepOutcome {
+        let scale_used = self.loss_scale();
         if !norm.is_finite() {
             self.zero_grad();
             self.skipped += 1;
