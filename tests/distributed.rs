@@ -236,6 +236,101 @@ fn safetensor_floats(bytes: &[u8]) -> Vec<f32> {
         .collect()
 }
 
+/// `ppo_tiny` planned for 4 CPU ranks runs the planner's own placement: generation and
+/// inference data-parallel over the 4 ranks, both trainings pipeline-parallel (dp 2 × pp 2)
+/// and interleaved as one fused schedule (the critic's stages in reverse), reshards between
+/// the layouts. Its first steps compute what one process does (the same sampled lengths;
+/// rewards — the reward model's scores, batched differently — losses and norms within
+/// `TOL`), and over 40 steps its reward rises.
+#[test]
+fn ppo_tiny_on_4_ranks_runs_the_planners_placement_and_learns() {
+    let dir = tmp("ppo4");
+    let src = std::fs::read_to_string("examples/ppo_tiny.rlhf").unwrap();
+    let forty = src.replace("steps: 80", "steps: 40");
+    let file = Path::new("examples").join(format!(".ppo4-{}.rlhf", std::process::id()));
+    let single = Path::new("examples").join(format!(".ppo1-{}.rlhf", std::process::id()));
+    std::fs::write(&file, format!("{forty}\ncluster {{ cpus: 4 }}\n")).unwrap();
+    std::fs::write(&single, &forty).unwrap();
+    let (one, four) = (dir.join("one"), dir.join("four"));
+    let out = run_one(&[
+        single.to_str().unwrap(),
+        "--run-dir",
+        one.to_str().unwrap(),
+        "--steps",
+        "3",
+    ]);
+    let (ok, stderr) = launch_run(
+        4,
+        &[
+            file.to_str().unwrap(),
+            "--run-dir",
+            four.to_str().unwrap(),
+            "--checkpoint-every",
+            "0",
+        ],
+        Duration::from_secs(900),
+    );
+    let _ = std::fs::remove_file(&file);
+    let _ = std::fs::remove_file(&single);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(ok, "{stderr}");
+    let plan: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(four.join("plan.json")).unwrap()).unwrap();
+    let d = &plan["decisions"];
+    let layouts: std::collections::BTreeSet<(u64, u64, u64)> = d["placements"]
+        .as_object()
+        .unwrap()
+        .values()
+        .map(|p| {
+            let f = |k: &str| p[k].as_u64().unwrap();
+            (f("dp"), f("tp"), f("pp"))
+        })
+        .collect();
+    assert!(layouts.len() > 1, "one layout for every call: {layouts:?}");
+    assert!(layouts.iter().any(|l| l.2 > 1), "no pipeline: {layouts:?}");
+    assert_eq!(d["interleave"].as_array().unwrap().len(), 1, "{d}");
+    assert!(
+        !d["transfers"].as_object().unwrap().is_empty(),
+        "no reshard between the layouts"
+    );
+    let (a, b) = (metrics(&one), metrics(&four));
+    assert_eq!(b.len(), 40);
+    for (x, y) in a.iter().zip(&b).take(3) {
+        for (k, v) in x {
+            if k.starts_with("time/") || k == "tokens_per_s" {
+                continue;
+            }
+            let (p, q) = (v.as_f64().unwrap(), num(y, k));
+            if k == "response_length" {
+                assert_eq!(p, q, "step {}: {k}", x["step"]);
+            } else {
+                assert!(close(p, q), "step {}: {k}: {p} vs {q}", x["step"]);
+            }
+        }
+    }
+    let mean = |r: &[serde_json::Map<String, serde_json::Value>]| {
+        r.iter().map(|l| num(l, "reward_mean")).sum::<f64>() / r.len() as f64
+    };
+    let (first, last) = (mean(&b[..5]), mean(&b[35..]));
+    assert!(
+        last > 1.3 * first,
+        "PPO's reward did not rise: {first} → {last}"
+    );
+    // The pipeline stages wrote their own shards of the checkpoint.
+    let ck = four.join("checkpoints/step-000040");
+    assert!(
+        ck.join("models/policy/model.safetensors.index.json").exists()
+            && ck.join("optimizer/critic.stage-1-of-2.safetensors").exists(),
+        "{}",
+        ck.display()
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// PPO with generation on rank 0 and the critic and reward model on rank 1 (`place` pins):
 /// the critic's values and the reward model's scores stream from rank 0 to rank 1 sample by
 /// sample under generation, the critic trains on rank 1 and the policy on rank 0, and the
