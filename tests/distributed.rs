@@ -323,8 +323,11 @@ fn ppo_tiny_on_4_ranks_runs_the_planners_placement_and_learns() {
     // The pipeline stages wrote their own shards of the checkpoint.
     let ck = four.join("checkpoints/step-000040");
     assert!(
-        ck.join("models/policy/model.safetensors.index.json").exists()
-            && ck.join("optimizer/critic.stage-1-of-2.safetensors").exists(),
+        ck.join("models/policy/model.safetensors.index.json")
+            .exists()
+            && ck
+                .join("optimizer/critic.stage-1-of-2.safetensors")
+                .exists(),
         "{}",
         ck.display()
     );

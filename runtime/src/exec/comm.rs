@@ -354,7 +354,10 @@ pub fn seating(exec: &ExecPlan, id: NodeId) -> Result<BTreeMap<u64, u64>> {
     let (Some(pf), Some(pr)) = (exec.placement(f.forward), exec.placement(f.reverse)) else {
         return Err(Error::invalid(
             "plan",
-            format!("the fused schedule of {} and {id} has no placements", f.forward),
+            format!(
+                "the fused schedule of {} and {id} has no placements",
+                f.forward
+            ),
         ));
     };
     let per = pf.pp / pr.pp.max(1);
@@ -382,7 +385,11 @@ pub fn seating(exec: &ExecPlan, id: NodeId) -> Result<BTreeMap<u64, u64>> {
                 s as usize,
             ) as u64;
             for t in 0..pr.tp {
-                let layout = pr.device_at(braid_ir::exec_plan::Coords { dp: j, tp: t, pp: s });
+                let layout = pr.device_at(braid_ir::exec_plan::Coords {
+                    dp: j,
+                    tp: t,
+                    pp: s,
+                });
                 let actual = pf.device_at(braid_ir::exec_plan::Coords {
                     dp: k,
                     tp: t,

@@ -51,6 +51,7 @@ mod comm;
 mod compute;
 pub mod data;
 mod eval;
+mod pipelined;
 pub mod realloc;
 mod record;
 mod reshard;
@@ -58,7 +59,6 @@ mod setup;
 pub(super) mod stream;
 pub mod tensorboard;
 mod tokens;
-mod pipelined;
 mod train;
 mod values;
 

@@ -13,6 +13,9 @@ use comm::{played_by, replica_stage_ranks, sample_block, seating, stage_ranks_ac
 use stream::gather_rows;
 use train::{Trained, head_outputs, input_tensor};
 
+/// A micro-batch's loss from the last stage's hidden states.
+type LossFn<'a> = dyn FnMut(usize, &Tensor) -> Result<Tensor> + 'a;
+
 /// One pipeline-parallel training of a step.
 pub(super) struct Job<'a> {
     pub(super) id: NodeId,
@@ -60,16 +63,12 @@ impl<'p> Executor<'p> {
                 .placement(j.id)
                 .ok_or_else(|| Error::invalid("plan", format!("{} has no placement", j.id)))?;
             let s = seating(self.exec, j.id)?;
-            seats.push(
-                played_by(&s, rank)
-                    .and_then(|d| p.coords(d))
-                    .map(|c| Seat {
-                        dp: p.dp.max(1) as usize,
-                        replica: c.dp as usize,
-                        stage: c.pp,
-                        stages: p.pp,
-                    }),
-            );
+            seats.push(played_by(&s, rank).and_then(|d| p.coords(d)).map(|c| Seat {
+                dp: p.dp.max(1) as usize,
+                replica: c.dp as usize,
+                stage: c.pp,
+                stages: p.pp,
+            }));
         }
         let steps: Vec<i64> = jobs
             .iter()
@@ -174,15 +173,14 @@ impl<'p> Executor<'p> {
         let mut slot_refs: Vec<Option<&mut Slot>> = self.slots.iter_mut().map(Some).collect();
         let mut parts_state = Vec::new();
         for j in jobs {
-            let slot = slot_refs[j.model].take().ok_or_else(|| {
-                Error::invalid("plan", "two interleaved trainings of one model")
-            })?;
+            let slot = slot_refs[j.model]
+                .take()
+                .ok_or_else(|| Error::invalid("plan", "two interleaved trainings of one model"))?;
             parts_state.push(slot);
         }
         let first: Vec<bool> = tallies.iter().map(|t| t.steps == 0).collect();
         let mut tally_refs = tallies.iter_mut();
-        let mut losses_of: Vec<Box<dyn FnMut(usize, &Tensor) -> Result<Tensor> + '_>> =
-            Vec::new();
+        let mut losses_of: Vec<Box<LossFn<'_>>> = Vec::new();
         let mut pipes = Vec::new();
         let mut models = Vec::new();
         let mut opts = Vec::new();
@@ -273,7 +271,11 @@ impl<'p> Executor<'p> {
                 }
                 tally.local[2] += lens.iter().sum::<usize>() as f64;
                 // Times the loss scale for f16 models (1 otherwise).
-                Ok(if scale != 1.0 { &ev.loss * scale } else { ev.loss })
+                Ok(if scale != 1.0 {
+                    &ev.loss * scale
+                } else {
+                    ev.loss
+                })
             };
             losses_of.push(Box::new(f));
             pipes.push(pipeline.as_mut());
@@ -322,8 +324,7 @@ impl<'p> Executor<'p> {
             let opt = &mut opts[k];
             let m = models[k];
             opt.accumulate();
-            if let Some(g) = comm.group(&stage_ranks_across(&p, &s, seat.stage))?
-            {
+            if let Some(g) = comm.group(&stage_ranks_across(&p, &s, seat.stage))? {
                 match opt.accumulators() {
                     Some(acc) => comm::all_reduce_tensors(g, acc)?,
                     None => comm::all_reduce_gradients(g, &opt.parameters())?,
@@ -335,18 +336,14 @@ impl<'p> Executor<'p> {
             let embed = m.embedding_parameter().map(|e| e.data_ptr());
             let named: BTreeMap<String, Tensor> = m.named_parameters().into_iter().collect();
             let weight = |name: &str| {
-                if tied
-                    && embed.is_some()
-                    && named.get(name).map(|t| t.data_ptr()) == embed
-                {
+                if tied && embed.is_some() && named.get(name).map(|t| t.data_ptr()) == embed {
                     0.5
                 } else {
                     1.0
                 }
             };
             let mut sq = [opt.grad_squares(&weight)];
-            if let Some(g) = comm.group(&replica_stage_ranks(&p, &s, seat.replica as u64))?
-            {
+            if let Some(g) = comm.group(&replica_stage_ranks(&p, &s, seat.replica as u64))? {
                 comm::sum(g, &mut sq)?;
             }
             let norm = sq[0].max(0.0).sqrt();
@@ -369,7 +366,11 @@ impl<'p> Executor<'p> {
     /// the solver's order: the plan's schedule when the step's micro-batch counts are the ones
     /// it was solved for, otherwise the solver's schedule for the counts at hand (the same
     /// durations), which every rank of the fused pipelines computes alike.
-    fn fused_tasks(&self, jobs: &[Job<'_>], micro: &[Vec<MicroBatch>]) -> Result<Vec<(usize, usize, Pass)>> {
+    fn fused_tasks(
+        &self,
+        jobs: &[Job<'_>],
+        micro: &[Vec<MicroBatch>],
+    ) -> Result<Vec<(usize, usize, Pass)>> {
         use braid_cost::fused_pipeline::{self as fp, Kind as Fk, PipelineModel, PipelineProblem};
         let f = self
             .exec
@@ -378,9 +379,14 @@ impl<'p> Executor<'p> {
             .iter()
             .find(|f| f.forward == jobs[0].id && f.reverse == jobs[1].id)
             .ok_or_else(|| Error::invalid("plan", "no fused schedule for these trainings"))?;
-        let (Some(pf), Some(pr)) = (self.exec.placement(f.forward), self.exec.placement(f.reverse))
-        else {
-            return Err(Error::invalid("plan", "the fused trainings have no placements"));
+        let (Some(pf), Some(pr)) = (
+            self.exec.placement(f.forward),
+            self.exec.placement(f.reverse),
+        ) else {
+            return Err(Error::invalid(
+                "plan",
+                "the fused trainings have no placements",
+            ));
         };
         let device = self
             .exec
@@ -450,8 +456,8 @@ impl<'p> Executor<'p> {
             } else {
                 serde_json::json!({"local": [0.0, 0.0, 0.0], "metrics": {}})
             };
-            let bytes = serde_json::to_vec(&mine)
-                .map_err(|e| Error::invalid("train", e.to_string()))?;
+            let bytes =
+                serde_json::to_vec(&mine).map_err(|e| Error::invalid("train", e.to_string()))?;
             let parts = match self.comm.mesh(p)? {
                 Some(g) => comm::all_gather_bytes(g, bytes)?,
                 None => vec![bytes],

@@ -135,7 +135,11 @@ pub fn run_plan_mapped(
         m.iter()
             .find(|(_, r)| **r == rank)
             .map(|(d, _)| *d)
-            .unwrap_or(if m.contains_key(&rank) { u64::MAX } else { rank })
+            .unwrap_or(if m.contains_key(&rank) {
+                u64::MAX
+            } else {
+                rank
+            })
     };
     let (me_from, me_to) = (device_of(&map.from), device_of(&map.to));
     let wanted = shard(shape, head, to, me_to);

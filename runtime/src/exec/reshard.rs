@@ -208,8 +208,16 @@ fn slice_tensor(m: &Model, s: &Slice) -> Result<Tensor> {
 fn write_slice(m: &Model, s: &Slice, t: &Tensor) -> Result<()> {
     let (w, b) = param_pair(m, s.param)?;
     let device = w.device();
-    let wcols = if w.dim() == 1 { w.size()[0] } else { w.size()[1] };
-    let full = if w.dim() == 1 { w.unsqueeze(0) } else { w.shallow_clone() };
+    let wcols = if w.dim() == 1 {
+        w.size()[0]
+    } else {
+        w.size()[1]
+    };
+    let full = if w.dim() == 1 {
+        w.unsqueeze(0)
+    } else {
+        w.shallow_clone()
+    };
     let (mut wdst, mut bdst) = match s.dim {
         None => (full, b),
         Some(d) => {
@@ -239,16 +247,22 @@ fn write_slice(m: &Model, s: &Slice, t: &Tensor) -> Result<()> {
 fn param_pair(m: &Model, p: Param) -> Result<(Tensor, Option<Tensor>)> {
     let names = param_names(p);
     let all: BTreeMap<String, Tensor> = m.named_parameters().into_iter().collect();
-    let w = all.get(&names[0]).map(Tensor::shallow_clone).ok_or_else(|| {
-        Error::invalid(
-            "reshard",
-            format!(
-                "the model has no `{}` (reshards move Llama-family models)",
-                names[0]
-            ),
-        )
-    })?;
-    let b = names.get(1).and_then(|n| all.get(n)).map(Tensor::shallow_clone);
+    let w = all
+        .get(&names[0])
+        .map(Tensor::shallow_clone)
+        .ok_or_else(|| {
+            Error::invalid(
+                "reshard",
+                format!(
+                    "the model has no `{}` (reshards move Llama-family models)",
+                    names[0]
+                ),
+            )
+        })?;
+    let b = names
+        .get(1)
+        .and_then(|n| all.get(n))
+        .map(Tensor::shallow_clone);
     Ok((w, b))
 }
 

@@ -99,19 +99,32 @@ impl<'p> Executor<'p> {
                 Share::WHOLE
             };
             shares.entry(m).or_default().insert(share);
-            if is_train {
-                if let Some(old) = train_share.insert(m, share)
-                    && old != share
-                {
-                    return Err(Error::invalid(
-                        "plan",
-                        format!(
-                            "model `{}` trains in two layouts on rank {rank}; this runtime trains a model in one",
-                            plan.models[m as usize].name
-                        ),
-                    ));
-                }
+            if is_train
+                && let Some(old) = train_share.insert(m, share)
+                && old != share
+            {
+                return Err(Error::invalid(
+                    "plan",
+                    format!(
+                        "model `{}` trains in two layouts on rank {rank}; this runtime trains a model in one",
+                        plan.models[m as usize].name
+                    ),
+                ));
             }
+        }
+        if let Some((id, p)) = exec
+            .decisions
+            .subtask_placements
+            .iter()
+            .find(|(_, p)| p.tp > 1 || p.pp > 1)
+        {
+            return Err(Error::invalid(
+                "plan",
+                format!(
+                    "a subtask of {id} runs with tensor parallelism {} and pipeline parallelism {}; this runtime runs subtasks data-parallel only",
+                    p.tp, p.pp
+                ),
+            ));
         }
         let mut slots = Vec::new();
         for (i, spec) in plan.models.iter().enumerate() {
@@ -268,7 +281,10 @@ impl<'p> Executor<'p> {
                 let Some(world) = self.comm.world() else {
                     return Err(Error::invalid(
                         "plan",
-                        format!("{id} trains in a pipeline of {} stages in one process", p.pp),
+                        format!(
+                            "{id} trains in a pipeline of {} stages in one process",
+                            p.pp
+                        ),
                     ));
                 };
                 let slot = &mut self.slots[*model as usize];
