@@ -154,6 +154,28 @@ fn close(a: f64, b: f64) -> bool {
     (a - b).abs() <= TOL * (1.0 + a.abs().max(b.abs()))
 }
 
+/// Every metric of each step of `a` (one process) in `b` (several): those named in `exact`
+/// equal, the others within `TOL` (timings aside).
+fn same_metrics(
+    a: &[serde_json::Map<String, serde_json::Value>],
+    b: &[serde_json::Map<String, serde_json::Value>],
+    exact: &[&str],
+) {
+    for (x, y) in a.iter().zip(b) {
+        for (k, v) in x {
+            if k.starts_with("time/") || k == "tokens_per_s" {
+                continue;
+            }
+            let (p, q) = (v.as_f64().unwrap(), num(y, k));
+            if exact.contains(&k.as_str()) {
+                assert_eq!(p, q, "step {}: {k}", x["step"]);
+            } else {
+                assert!(close(p, q), "step {}: {k}: {p} vs {q}", x["step"]);
+            }
+        }
+    }
+}
+
 /// The quickstart on 2 ranks, data-parallel in every call, computes what one process does:
 /// the same sampled texts (hence rewards), and losses, gradient norms and KL within `TOL`;
 /// the final checkpoints' weights agree within the same tolerance.
@@ -195,19 +217,7 @@ fn two_ranks_give_the_one_process_metrics() {
     let (a, b) = (metrics(&one), metrics(&two));
     assert_eq!(a.len(), 4);
     assert_eq!(b.len(), 4);
-    for (x, y) in a.iter().zip(&b) {
-        for (k, v) in x {
-            if k.starts_with("time/") || k == "tokens_per_s" {
-                continue;
-            }
-            let (p, q) = (v.as_f64().unwrap(), num(y, k));
-            if k == "reward_mean" || k == "reward_std" || k == "response_length" {
-                assert_eq!(p, q, "step {}: {k}", x["step"]);
-            } else {
-                assert!(close(p, q), "step {}: {k}: {p} vs {q}", x["step"]);
-            }
-        }
-    }
+    same_metrics(&a, &b, &["reward_mean", "reward_std", "response_length"]);
     // The final weights: rank 0 wrote them; one safetensors file each.
     let read = |d: &Path| {
         std::fs::read(d.join("checkpoints/step-000004/models/policy/model.safetensors")).unwrap()
@@ -299,19 +309,7 @@ fn ppo_tiny_on_4_ranks_runs_the_planners_placement_and_learns() {
     );
     let (a, b) = (metrics(&one), metrics(&four));
     assert_eq!(b.len(), 40);
-    for (x, y) in a.iter().zip(&b).take(3) {
-        for (k, v) in x {
-            if k.starts_with("time/") || k == "tokens_per_s" {
-                continue;
-            }
-            let (p, q) = (v.as_f64().unwrap(), num(y, k));
-            if k == "response_length" {
-                assert_eq!(p, q, "step {}: {k}", x["step"]);
-            } else {
-                assert!(close(p, q), "step {}: {k}: {p} vs {q}", x["step"]);
-            }
-        }
-    }
+    same_metrics(&a[..3], &b[..3], &["response_length"]);
     let mean = |r: &[serde_json::Map<String, serde_json::Value>]| {
         r.iter().map(|l| num(l, "reward_mean")).sum::<f64>() / r.len() as f64
     };

@@ -11,7 +11,7 @@ use super::*;
 use crate::models::pipeline::{FusedPart, MicroBatch, Pass, run_fused};
 use comm::{played_by, replica_stage_ranks, sample_block, seating, stage_ranks_across};
 use stream::gather_rows;
-use train::{Trained, head_outputs, input_tensor};
+use train::{Trained, head_outputs, micro_loss};
 
 /// A micro-batch's loss from the last stage's hidden states.
 type LossFn<'a> = dyn FnMut(usize, &Tensor) -> Result<Tensor> + 'a;
@@ -236,46 +236,25 @@ impl<'p> Executor<'p> {
                 let groups: Vec<usize> = chunk.iter().map(|&i| r.samples[i].prompt_index).collect();
                 let layout = Layout::new(&lens, &groups, &mb_lens, &mb_groups);
                 let out = head_outputs(model_ref, hidden, &seqs, r.temperature, head)?;
-                if first_pass && let Some(lp) = &out.logp {
-                    let flat: Vec<f32> = Vec::<f32>::try_from(
-                        lp.detach().to_kind(Kind::Float).to_device(Device::Cpu),
-                    )
-                    .map_err(Error::Torch)?;
-                    let mut at = 0;
-                    for (&i, &l) in chunk.iter().zip(&lens) {
-                        if tally.own[i].is_none() {
-                            tally.own[i] = Some(flat[at..at + l].to_vec());
-                        }
-                        at += l;
-                    }
-                }
-                let inputs = term
-                    .args
-                    .iter()
-                    .map(|a| input_tensor(a, chunk, &out))
-                    .collect::<Result<Vec<Tensor>>>()?;
-                let outputs = objective::Outputs {
-                    logp: out.logp.as_ref(),
-                    entropy: out.entropy.as_ref(),
-                    value: out.values.as_ref(),
-                };
-                let ev = objective::evaluate(objective, &inputs, &outputs, &layout)?;
-                for (name, sum, count) in ev.metrics {
-                    let e = tally.metrics.entry(name).or_default();
-                    e.0 += sum;
-                    e.1 += count;
-                }
-                tally.local[0] += ev.loss.double_value(&[]);
-                if let Some(e) = &out.entropy {
-                    tally.local[1] += e.detach().sum(Kind::Float).double_value(&[]);
-                }
-                tally.local[2] += lens.iter().sum::<usize>() as f64;
+                let Tally {
+                    own,
+                    local,
+                    metrics,
+                    ..
+                } = &mut *tally;
+                let loss = micro_loss(
+                    objective,
+                    term,
+                    chunk,
+                    &lens,
+                    &out,
+                    &layout,
+                    first_pass.then_some(own.as_mut_slice()),
+                    local,
+                    metrics,
+                )?;
                 // Times the loss scale for f16 models (1 otherwise).
-                Ok(if scale != 1.0 {
-                    &ev.loss * scale
-                } else {
-                    ev.loss
-                })
+                Ok(if scale != 1.0 { &loss * scale } else { loss })
             };
             losses_of.push(Box::new(f));
             pipes.push(pipeline.as_mut());

@@ -153,7 +153,7 @@ impl<'p> Executor<'p> {
                 let whole = slot.whole()?;
                 if let Some(r) = slot.replica.as_ref() {
                     // The generation copy follows the whole model.
-                    copy_values(r, whole)?;
+                    copy_weights(r, whole)?;
                 }
             }
         }
@@ -264,21 +264,6 @@ fn param_pair(m: &Model, p: Param) -> Result<(Tensor, Option<Tensor>)> {
         .and_then(|n| all.get(n))
         .map(Tensor::shallow_clone);
     Ok((w, b))
-}
-
-/// Copies every parameter's values from `src` into `dst` (models of one architecture, each
-/// whole).
-fn copy_values(dst: &Model, src: &Model) -> Result<()> {
-    let from: BTreeMap<String, Tensor> = src.named_parameters().into_iter().collect();
-    tch::no_grad(|| -> Result<()> {
-        for (name, t) in dst.named_parameters() {
-            if let Some(s) = from.get(&name) {
-                let mut d = t.shallow_clone();
-                d.f_copy_(s)?;
-            }
-        }
-        Ok(())
-    })
 }
 
 /// The Hugging Face names of a parameter role in a Llama-family model: the weight, and the

@@ -246,9 +246,9 @@ impl<'p> Executor<'p> {
             if ex.slots[i].opt.is_some() {
                 // Generation's copy: the model's dtype only, refreshed after every update.
                 let kind = ex.slots[i].whole()?.kind();
-                let (mut replica, _) =
+                let (replica, _) =
                     build_model(plan, i, &ex.options.base_dir, ex.options.device, kind)?;
-                copy_weights(&mut replica, ex.slots[i].whole()?)?;
+                copy_weights(&replica, ex.slots[i].whole()?)?;
                 ex.slots[i].replica = Some(replica);
             }
         }
@@ -523,8 +523,8 @@ pub(super) fn build_tokenizer(plan: &Plan, slot: usize, base_dir: &Path) -> Resu
     }
 }
 
-/// Copies every parameter of `src` into `dst` (same architecture).
-pub(super) fn copy_weights(dst: &mut Model, src: &Model) -> Result<()> {
+/// Copies every parameter `dst` holds from `src` (same architecture; `src` whole).
+pub(super) fn copy_weights(dst: &Model, src: &Model) -> Result<()> {
     let from: BTreeMap<String, Tensor> = src.named_parameters().into_iter().collect();
     tch::no_grad(|| -> Result<()> {
         for (name, t) in dst.held_parameters() {

@@ -122,50 +122,26 @@ impl<'p> Executor<'p> {
                             head,
                             spec.gradient_checkpointing,
                         )?;
-                        if opt.step == start_step
-                            && let Some(lp) = &out.logp
-                        {
-                            let flat: Vec<f32> = Vec::<f32>::try_from(
-                                lp.detach().to_kind(Kind::Float).to_device(Device::Cpu),
-                            )
-                            .map_err(Error::Torch)?;
-                            let mut at = 0;
-                            for (&i, &l) in chunk.iter().zip(&lens) {
-                                if own[i].is_none() {
-                                    own[i] = Some(flat[at..at + l].to_vec());
-                                }
-                                at += l;
-                            }
-                        }
-                        let inputs = term
-                            .args
-                            .iter()
-                            .map(|a| input_tensor(a, chunk, &out))
-                            .collect::<Result<Vec<Tensor>>>()?;
-                        let outputs = objective::Outputs {
-                            logp: out.logp.as_ref(),
-                            entropy: out.entropy.as_ref(),
-                            value: out.values.as_ref(),
-                        };
-                        let ev = objective::evaluate(objective, &inputs, &outputs, &layout)?;
-                        for (name, sum, count) in ev.metrics {
-                            let m = metrics.entry(name).or_default();
-                            m.0 += sum;
-                            m.1 += count;
-                        }
-                        local[0] += ev.loss.double_value(&[]);
+                        let own_here = (opt.step == start_step).then_some(own.as_mut_slice());
+                        let loss = micro_loss(
+                            objective,
+                            term,
+                            chunk,
+                            &lens,
+                            &out,
+                            &layout,
+                            own_here,
+                            &mut local,
+                            &mut metrics,
+                        )?;
                         // Times the loss scale for f16 models (1 otherwise); the gradients of
                         // a bf16 or f16 model then move into its f32 accumulators.
-                        opt.scale_loss(&ev.loss).backward();
+                        opt.scale_loss(&loss).backward();
                         if let Some(ck) = out.checkpoint.take() {
                             // Activation checkpointing: the layers' backward, recomputed.
                             m.backward_checkpointed(ck)?;
                         }
                         opt.accumulate();
-                        if let Some(e) = &out.entropy {
-                            local[1] += e.detach().sum(Kind::Float).double_value(&[]);
-                        }
-                        local[2] += t as f64;
                     }
                     if let Some(g) = group {
                         // A bf16 or f16 model's gradients are in its f32 accumulators.
@@ -322,6 +298,58 @@ pub(super) fn head_outputs(
             "a reward model (score head) cannot be trained by an RL loss",
         )),
     }
+}
+
+/// The objective on one micro-batch's outputs `out` (samples `chunk`, of `lens` completion
+/// tokens): the model's own log-probabilities recorded into `own` when given (the first
+/// forward pass over each sample), the loss's metrics added to `metrics` and the loss,
+/// entropy and token sums to `local`. Returns the loss, unscaled.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn micro_loss(
+    objective: &braid_ir::loss::Objective,
+    term: &LossTerm,
+    chunk: &[usize],
+    lens: &[usize],
+    out: &TrainOut,
+    layout: &Layout,
+    own: Option<&mut [Option<Vec<f32>>]>,
+    local: &mut [f64; 3],
+    metrics: &mut BTreeMap<String, (f64, f64)>,
+) -> Result<Tensor> {
+    if let (Some(own), Some(lp)) = (own, &out.logp) {
+        let flat: Vec<f32> =
+            Vec::<f32>::try_from(lp.detach().to_kind(Kind::Float).to_device(Device::Cpu))
+                .map_err(Error::Torch)?;
+        let mut at = 0;
+        for (&i, &l) in chunk.iter().zip(lens) {
+            if own[i].is_none() {
+                own[i] = Some(flat[at..at + l].to_vec());
+            }
+            at += l;
+        }
+    }
+    let inputs = term
+        .args
+        .iter()
+        .map(|a| input_tensor(a, chunk, out))
+        .collect::<Result<Vec<Tensor>>>()?;
+    let outputs = objective::Outputs {
+        logp: out.logp.as_ref(),
+        entropy: out.entropy.as_ref(),
+        value: out.values.as_ref(),
+    };
+    let ev = objective::evaluate(objective, &inputs, &outputs, layout)?;
+    for (name, sum, count) in ev.metrics {
+        let m = metrics.entry(name).or_default();
+        m.0 += sum;
+        m.1 += count;
+    }
+    local[0] += ev.loss.double_value(&[]);
+    if let Some(e) = &out.entropy {
+        local[1] += e.detach().sum(Kind::Float).double_value(&[]);
+    }
+    local[2] += lens.iter().sum::<usize>() as f64;
+    Ok(ev.loss)
 }
 
 /// An input of the objective for the samples `chunk` (indices into the rollout), in f32 on
