@@ -332,6 +332,106 @@ fn ppo_tiny_on_4_ranks_runs_the_planners_placement_and_learns() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// `ppo_tiny` with every call tensor-parallel over 2 ranks (`place … tp 2` pins): the same
+/// numbers as one process (sampled texts from logits gathered whole, log-probabilities and
+/// entropy from each rank's vocabulary slice, gradients and the clipped norm over the group);
+/// the checkpoint is gathered whole into the Hugging Face layout, each rank writes its own
+/// optimizer state, and `--resume` continues from them exactly.
+#[test]
+fn ppo_tiny_tensor_parallel_on_2_ranks_gives_the_one_process_metrics() {
+    let dir = tmp("tp2");
+    let src = std::fs::read_to_string("examples/ppo_tiny.rlhf").unwrap();
+    let calls = [
+        "generate(policy)",
+        "logprobs(policy)",
+        "logprobs(ref)",
+        "values(critic)",
+        "score(reward_model)",
+        "train(policy)",
+        "train(critic)",
+    ];
+    let pins: String = calls
+        .iter()
+        .map(|c| format!("  place {c} on 0..2 tp 2\n"))
+        .collect();
+    let file = Path::new("examples").join(format!(".tp2-{}.rlhf", std::process::id()));
+    std::fs::write(
+        &file,
+        format!("{src}\ncluster {{ cpus: 2 }}\n\nschedule {{\n{pins}}}\n"),
+    )
+    .unwrap();
+    let (one, two, resumed) = (dir.join("one"), dir.join("two"), dir.join("resumed"));
+    let out = run_one(&[
+        "examples/ppo_tiny.rlhf",
+        "--run-dir",
+        one.to_str().unwrap(),
+        "--steps",
+        "3",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let args = |run: &Path, steps: &str| {
+        vec![
+            file.to_str().unwrap().to_string(),
+            "--run-dir".into(),
+            run.to_str().unwrap().to_string(),
+            "--steps".into(),
+            steps.into(),
+            "--checkpoint-every".into(),
+            "1".into(),
+        ]
+    };
+    let run = |a: Vec<String>| {
+        let a: Vec<&str> = a.iter().map(String::as_str).collect();
+        launch_run(2, &a, Duration::from_secs(600))
+    };
+    let (ok, stderr) = run(args(&two, "3"));
+    assert!(ok, "{stderr}");
+    let (ok2, stderr2) = run(args(&resumed, "2"));
+    assert!(ok2, "{stderr2}");
+    let (ok3, stderr3) = run(vec![
+        "--resume".into(),
+        resumed.to_str().unwrap().to_string(),
+        "--steps".into(),
+        "3".into(),
+    ]);
+    let _ = std::fs::remove_file(&file);
+    assert!(ok3, "{stderr3}");
+    let plan: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(two.join("plan.json")).unwrap()).unwrap();
+    for p in plan["decisions"]["placements"].as_object().unwrap().values() {
+        assert_eq!(p["tp"], 2, "{p}");
+    }
+    let (a, b, c) = (metrics(&one), metrics(&two), metrics(&resumed));
+    assert_eq!(b.len(), 3);
+    same_metrics(&a, &b, &["response_length"]);
+    // The resumed run's last step is the uninterrupted run's.
+    assert_eq!(c.len(), 3);
+    same_metrics(&b[2..], &c[2..], &["response_length"]);
+    // The tensor-parallel checkpoint is whole: its weights are the one-process run's.
+    let ck = |run: &Path| run.join("checkpoints/step-000003");
+    let w = |run: &Path| std::fs::read(ck(run).join("models/policy/model.safetensors")).unwrap();
+    let (wa, wb) = (w(&one), w(&two));
+    assert_eq!(wa.len(), wb.len(), "the same tensors, gathered whole");
+    let worst = safetensor_floats(&wa)
+        .iter()
+        .zip(&safetensor_floats(&wb))
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0f32, f32::max);
+    assert!(worst < 1e-4, "weights differ by up to {worst}");
+    for t in 0..2 {
+        assert!(
+            ck(&two)
+                .join(format!("optimizer/critic.tp-{t}-of-2.safetensors"))
+                .exists()
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// PPO with generation on rank 0 and the critic and reward model on rank 1 (`place` pins):
 /// the critic's values and the reward model's scores stream from rank 0 to rank 1 sample by
 /// sample under generation, the critic trains on rank 1 and the policy on rank 0, and the

@@ -15,12 +15,14 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use braid_ir::exec_plan::{ExecPlan, Placement};
+use braid_ir::exec_plan::{Coords, ExecPlan, Placement};
 use braid_ir::graph::{NodeId, Op};
 use tch::{Device, Kind, Tensor};
 
 use crate::dist::{GroupOptions, ProcessGroup, ReduceOp, World};
 use crate::error::{Error, Result};
+
+use super::Share;
 
 /// Gradients are all-reduced in buckets of about this many bytes (as PyTorch's DDP does, 25
 /// MB): few enough collectives to amortise their latency, small enough to bound the extra
@@ -45,7 +47,13 @@ pub(super) struct Comm {
     /// Per (generate, source rank, destination rank): the group of two that carries the
     /// generation's finished samples from one to the other, used by one thread on each side.
     streams: BTreeMap<(NodeId, usize, usize), ProcessGroup>,
+    /// Per (model, share, generation replica): the group of a tensor-parallel copy this rank
+    /// holds, one per copy (copies are used by different threads).
+    tps: BTreeMap<TpCopy, ProcessGroup>,
 }
+
+/// A tensor-parallel copy of a model: (model, share, whether it is the generation replica).
+pub(super) type TpCopy = (u32, Share, bool);
 
 impl Comm {
     /// One process: no peers.
@@ -56,13 +64,20 @@ impl Comm {
             world: None,
             meshes: BTreeMap::new(),
             streams: BTreeMap::new(),
+            tps: BTreeMap::new(),
         }
     }
 
     /// Joins the world and creates every group the plan needs, in plan order, each by its
     /// members only: the mesh of every model call with more than one device, then per
-    /// `generate` the pairs of ranks its streamed samples travel between.
-    pub(super) fn connect(exec: &ExecPlan, dist: &DistOptions) -> Result<Comm> {
+    /// `generate` the pairs of ranks its streamed samples travel between, then the group of
+    /// every tensor-parallel copy in `tp_copies` (the same list, in the same order, on every
+    /// rank).
+    pub(super) fn connect(
+        exec: &ExecPlan,
+        dist: &DistOptions,
+        tp_copies: &[TpCopy],
+    ) -> Result<Comm> {
         let w = &dist.world;
         let world = ProcessGroup::init(w, GroupOptions::gloo(dist.timeout))?;
         let mut comm = Comm {
@@ -71,6 +86,7 @@ impl Comm {
             world: None,
             meshes: BTreeMap::new(),
             streams: BTreeMap::new(),
+            tps: BTreeMap::new(),
         };
         for members in mesh_groups(exec) {
             if members.contains(&comm.rank) {
@@ -84,8 +100,33 @@ impl Comm {
                 comm.streams.insert((generate, src, dst), g);
             }
         }
+        for key in tp_copies {
+            let members = key.1.tp_ranks();
+            if members.contains(&comm.rank) {
+                let g = world.subgroup(&members)?;
+                comm.tps.insert(*key, g);
+            }
+        }
         comm.world = Some(world);
         Ok(comm)
+    }
+
+    /// The tensor-parallel group of copy `key` of a model, for `Model::shard`.
+    pub(super) fn tensor_parallel(
+        &self,
+        key: &TpCopy,
+    ) -> Result<std::sync::Arc<crate::dist::TensorParallel>> {
+        let g = self.tps.get(key).ok_or_else(|| {
+            Error::invalid(
+                "plan",
+                format!(
+                    "rank {} has no tensor-parallel group for ranks {:?}",
+                    self.rank,
+                    key.1.tp_ranks()
+                ),
+            )
+        })?;
+        Ok(std::sync::Arc::new(g.tensor_parallel()?))
     }
 
     pub(super) fn is_single(&self) -> bool {
@@ -169,6 +210,7 @@ impl Comm {
     pub(super) fn shutdown(&mut self) -> Result<()> {
         self.meshes.clear();
         self.streams.clear();
+        self.tps.clear();
         if let Some(world) = self.world.take() {
             world.shutdown()?;
         }
@@ -255,9 +297,9 @@ pub(super) fn all_reduce_tensors(group: &ProcessGroup, tensors: Vec<Tensor>) -> 
 
 /// The member lists of the groups the plan's model calls need beyond the world, in plan
 /// order (topological), each once: the mesh of every call with more than one device, and for
-/// every pipeline-parallel `train` the ranks of each stage across its data-parallel replicas
-/// (which sum their gradients) and the stages of each replica (which sum the squares of their
-/// gradients for the norm).
+/// every `train` cut by pipeline or tensor parallelism the ranks of each (stage, tensor rank)
+/// across its data-parallel replicas (which sum their gradients) and all ranks of each replica
+/// (which sum the squares of their gradients for the norm).
 pub fn mesh_groups(exec: &ExecPlan) -> Vec<Vec<usize>> {
     let g = &exec.plan.graph;
     let mut out: Vec<Vec<usize>> = Vec::new();
@@ -278,17 +320,95 @@ pub fn mesh_groups(exec: &ExecPlan) -> Vec<Vec<usize>> {
             add(p.devices().map(|d| d as usize).collect());
         }
         if let (Some(Op::Train { .. }), Some(p)) = (g.node(id).map(|n| &n.op), exec.placement(id))
-            && p.pp > 1
+            && (p.pp > 1 || p.tp > 1)
         {
             let seats = seating(exec, id).unwrap_or_default();
             for s in 0..p.pp {
-                add(stage_ranks_across(p, &seats, s));
+                for t in 0..p.tp {
+                    add(dp_ranks(p, &seats, t, s));
+                }
             }
             for k in 0..p.dp {
-                add(replica_stage_ranks(p, &seats, k));
+                add(replica_ranks(p, &seats, k));
             }
         }
     }
+    out
+}
+
+/// The share of its model that call `id` runs on at `rank` (`None` when `rank` plays no
+/// device of its mesh): its pipeline stage, and its tensor-parallel group.
+pub(super) fn share_at(exec: &ExecPlan, id: NodeId, rank: usize) -> Result<Option<Share>> {
+    let Some(p) = exec.placement(id) else {
+        return Ok(None);
+    };
+    let seats = seating(exec, id)?;
+    let Some(c) = played_by(&seats, rank).and_then(|d| p.coords(d)) else {
+        return Ok(None);
+    };
+    let mut share = Share::WHOLE;
+    if p.pp > 1 {
+        share.stage = c.pp;
+        share.stages = p.pp;
+    }
+    if p.tp > 1 {
+        let ranks: Vec<usize> = (0..p.tp)
+            .map(|t| {
+                seat(
+                    &seats,
+                    p.device_at(Coords {
+                        dp: c.dp,
+                        tp: t,
+                        pp: c.pp,
+                    }),
+                )
+            })
+            .collect();
+        if ranks.windows(2).any(|w| w[1] != w[0] + 1) {
+            return Err(Error::invalid(
+                "plan",
+                format!("{id}: the tensor-parallel ranks {ranks:?} are not consecutive"),
+            ));
+        }
+        share.tp = p.tp;
+        share.tp_first = ranks[0] as u64;
+    }
+    Ok(Some(share))
+}
+
+/// The ranks of (stage `stage`, tensor rank `tp`) of every data-parallel replica of a call on
+/// `p`, by replica: the ranks that sum a training's gradients.
+pub fn dp_ranks(p: &Placement, seats: &BTreeMap<u64, u64>, tp: u64, stage: u64) -> Vec<usize> {
+    (0..p.dp)
+        .map(|k| {
+            seat(
+                seats,
+                p.device_at(Coords {
+                    dp: k,
+                    tp,
+                    pp: stage,
+                }),
+            )
+        })
+        .collect()
+}
+
+/// The stages of replica `k` of a pipeline on `p` at tensor rank `tp`, in stage order: one
+/// lane of the pipeline (activations are whole on every tensor rank, so each lane carries its
+/// own).
+pub fn lane_ranks(p: &Placement, seats: &BTreeMap<u64, u64>, k: u64, tp: u64) -> Vec<usize> {
+    (0..p.pp)
+        .map(|s| seat(seats, p.device_at(Coords { dp: k, tp, pp: s })))
+        .collect()
+}
+
+/// Every rank of replica `k` of a call on `p` (its stages and tensor ranks), sorted.
+pub fn replica_ranks(p: &Placement, seats: &BTreeMap<u64, u64>, k: u64) -> Vec<usize> {
+    let mut out: Vec<usize> = (0..p.pp)
+        .flat_map(|s| (0..p.tp).map(move |t| (s, t)))
+        .map(|(s, t)| seat(seats, p.device_at(Coords { dp: k, tp: t, pp: s })))
+        .collect();
+    out.sort_unstable();
     out
 }
 
@@ -306,39 +426,6 @@ pub fn played_by(seats: &BTreeMap<u64, u64>, rank: usize) -> Option<u64> {
         None if seats.contains_key(&r) => None,
         None => Some(r),
     }
-}
-
-/// The ranks of stage `stage` of every data-parallel replica of a pipeline on `p` (tensor rank
-/// 0), by replica.
-pub fn stage_ranks_across(p: &Placement, seats: &BTreeMap<u64, u64>, stage: u64) -> Vec<usize> {
-    (0..p.dp)
-        .map(|k| {
-            seat(
-                seats,
-                p.device_at(braid_ir::exec_plan::Coords {
-                    dp: k,
-                    tp: 0,
-                    pp: stage,
-                }),
-            )
-        })
-        .collect()
-}
-
-/// The ranks of replica `k`'s stages of a pipeline on `p` (tensor rank 0), in stage order.
-pub fn replica_stage_ranks(p: &Placement, seats: &BTreeMap<u64, u64>, k: u64) -> Vec<usize> {
-    (0..p.pp)
-        .map(|s| {
-            seat(
-                seats,
-                p.device_at(braid_ir::exec_plan::Coords {
-                    dp: k,
-                    tp: 0,
-                    pp: s,
-                }),
-            )
-        })
-        .collect()
 }
 
 /// Where the layout devices of `train` node `id` actually run: empty (each device itself)
@@ -402,17 +489,29 @@ pub fn seating(exec: &ExecPlan, id: NodeId) -> Result<BTreeMap<u64, u64>> {
     Ok(out)
 }
 
-/// Which rank generates sample `s` of a `generate` on placement `g` with `prompts` prompts of
-/// `n` samples: prompts are split over its data-parallel replicas in contiguous blocks.
-pub fn generating_rank(g: &Placement, prompts: usize, n: usize, s: usize) -> usize {
+/// The data-parallel replica of a `generate` on placement `g` with `prompts` prompts of `n`
+/// samples that generates sample `s`: prompts are split over its replicas in contiguous
+/// blocks.
+pub fn generating_replica(g: &Placement, prompts: usize, n: usize, s: usize) -> u64 {
     let dp = (g.dp.max(1)) as usize;
     let per = prompts.div_ceil(dp).max(1);
-    let replica = (s / n.max(1)) / per;
-    g.device_at(braid_ir::exec_plan::Coords {
-        dp: replica.min(dp - 1) as u64,
-        tp: 0,
-        pp: 0,
-    }) as usize
+    ((s / n.max(1)) / per).min(dp - 1) as u64
+}
+
+/// The rank that gives sample `s` of a `generate` on `g` to rank `dst`: `dst` itself when it
+/// is one of the (tensor-parallel) ranks that generate it, every one of which holds it;
+/// otherwise one of them, chosen by `dst` so that the sends spread over the group.
+pub fn sample_source(g: &Placement, prompts: usize, n: usize, s: usize, dst: usize) -> usize {
+    let k = generating_replica(g, prompts, n, s);
+    let tp = g.tp.max(1);
+    let ranks: Vec<usize> = (0..tp)
+        .map(|t| g.device_at(Coords { dp: k, tp: t, pp: 0 }) as usize)
+        .collect();
+    if ranks.contains(&dst) {
+        dst
+    } else {
+        ranks[dst % ranks.len()]
+    }
 }
 
 /// The prompts replica `k` of `dp` generates: a contiguous block.
@@ -428,13 +527,17 @@ pub fn sample_block(samples: usize, dp: usize, k: usize) -> std::ops::Range<usiz
     (k * per).min(samples)..((k + 1) * per).min(samples)
 }
 
-/// The rank of replica `k` of a call on placement `p` (tensor and pipeline rank 0).
-pub fn replica_rank(p: &Placement, k: usize) -> usize {
-    p.device_at(braid_ir::exec_plan::Coords {
-        dp: k as u64,
-        tp: 0,
-        pp: 0,
-    }) as usize
+/// The ranks of replica `k` of a call on placement `p` (pipeline rank 0), by tensor rank.
+pub fn replica_tp_ranks(p: &Placement, k: usize) -> Vec<usize> {
+    (0..p.tp.max(1))
+        .map(|t| {
+            p.device_at(Coords {
+                dp: k as u64,
+                tp: t,
+                pp: 0,
+            }) as usize
+        })
+        .collect()
 }
 
 /// The size of a generation's batch: prompts drawn by its `next` input, times `n`.
@@ -454,8 +557,8 @@ pub fn generation_size(exec: &ExecPlan, generate: NodeId) -> Option<(usize, usiz
 }
 
 /// Per `generate`, the (source, destination) pairs of ranks its streamed samples travel
-/// between: every generating rank to every other rank that runs a streamed consumer's replica
-/// needing one of its samples. In plan order.
+/// between: from a rank that generates a sample (`sample_source`) to every other rank of a
+/// streamed consumer's replica (each of its tensor ranks) needing it. In plan order.
 pub fn stream_pairs(exec: &ExecPlan) -> Vec<(NodeId, usize, usize)> {
     let g = &exec.plan.graph;
     let mut out = Vec::new();
@@ -473,11 +576,12 @@ pub fn stream_pairs(exec: &ExecPlan) -> Vec<(NodeId, usize, usize)> {
                 continue;
             };
             for k in 0..cp.dp.max(1) as usize {
-                let dst = replica_rank(cp, k);
-                for s in sample_block(samples, cp.dp.max(1) as usize, k) {
-                    let src = generating_rank(gp, prompts, n, s);
-                    if src != dst && !pairs.contains(&(src, dst)) {
-                        pairs.push((src, dst));
+                for dst in replica_tp_ranks(cp, k) {
+                    for s in sample_block(samples, cp.dp.max(1) as usize, k) {
+                        let src = sample_source(gp, prompts, n, s, dst);
+                        if src != dst && !pairs.contains(&(src, dst)) {
+                            pairs.push((src, dst));
+                        }
                     }
                 }
             }

@@ -33,20 +33,24 @@ impl<'p> Executor<'p> {
             .placement(id)
             .ok_or_else(|| Error::invalid("plan", format!("{id} has no placement")))?;
         let mut rows: Vec<Option<PerSampleOut>> = vec![None; seqs.len()];
-        if let Some(c) = p.coords(self.comm.rank as u64) {
+        if let (Some(c), Some(share)) = (p.coords(self.comm.rank as u64), self.share_of(id)?) {
             let block = comm::sample_block(seqs.len(), p.dp.max(1) as usize, c.dp as usize);
             let opts = InferOptions {
                 micro_batch: micro,
                 temperature: temperature as f32,
             };
+            // Every tensor rank of the replica computes (their layers talk); the first one's
+            // results are gathered.
             let out = infer_per_sample(
-                self.slots[model as usize].whole()?,
+                self.slots[model as usize].copy(share)?,
                 op,
                 &seqs[block.clone()],
                 &opts,
             )?;
-            for (i, o) in block.zip(out) {
-                rows[i] = Some(o);
+            if share.leads(self.comm.rank) {
+                for (i, o) in block.zip(out) {
+                    rows[i] = Some(o);
+                }
             }
         }
         let rows = stream::gather_rows(&self.comm, rows)?;

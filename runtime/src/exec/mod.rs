@@ -115,19 +115,54 @@ pub enum Event<'a> {
     },
 }
 
-/// Which copy of a model a call runs on, on this rank: the whole model, or one pipeline
-/// stage's share of it (a pipeline-parallel `train`).
+/// Which copy of a model a call runs on, on this rank: the whole model, one pipeline stage's
+/// share of it (a pipeline-parallel `train`), and either cut for tensor parallelism over the
+/// `tp` consecutive ranks from `tp_first` (the same key on every rank of that group).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub(super) struct Share {
     pub(super) stage: u64,
     pub(super) stages: u64,
+    pub(super) tp: u64,
+    /// The global rank of the group's tensor rank 0 (0 when `tp` is 1).
+    pub(super) tp_first: u64,
 }
 
 impl Share {
     pub(super) const WHOLE: Share = Share {
         stage: 0,
         stages: 1,
+        tp: 1,
+        tp_first: 0,
     };
+
+    /// The ranks of its tensor-parallel group, in tensor-rank order.
+    pub(super) fn tp_ranks(&self) -> Vec<usize> {
+        (self.tp_first..self.tp_first + self.tp.max(1))
+            .map(|r| r as usize)
+            .collect()
+    }
+
+    /// Whether `rank` speaks for its tensor-parallel group (its tensor rank 0): the one whose
+    /// results are gathered, where every rank of the group computes the same.
+    pub(super) fn leads(&self, rank: usize) -> bool {
+        self.tp <= 1 || self.tp_first as usize == rank
+    }
+
+    fn describe(&self) -> String {
+        let mut s = if self.stages > 1 {
+            format!("stage {} of {}", self.stage, self.stages)
+        } else {
+            "the whole model".to_string()
+        };
+        if self.tp > 1 {
+            s.push_str(&format!(
+                " cut over tensor-parallel ranks {}..{}",
+                self.tp_first,
+                self.tp_first + self.tp
+            ));
+        }
+        s
+    }
 }
 
 /// A model of the run, as this rank holds it: one copy per way its calls here hold it (the
@@ -149,6 +184,8 @@ struct Slot {
     total_opt_steps: i64,
     /// A copy that generation uses while the streamed consumers use `model`.
     replica: Option<Model>,
+    /// Which copy `replica` mirrors (the generation's share), refreshed from it.
+    replica_share: Share,
     /// This rank's stage of the pipeline it trains in (pipeline-parallel trainings).
     pipeline: Option<crate::models::pipeline::Pipeline>,
 }
@@ -182,10 +219,7 @@ impl Slot {
         self.views.get(&c).ok_or_else(|| {
             Error::invalid(
                 format!("model `{}`", self.spec.name),
-                format!(
-                    "has no copy for stage {} of {} on this rank",
-                    c.stage, c.stages
-                ),
+                format!("has no copy for {} on this rank", c.describe()),
             )
         })
     }
@@ -198,15 +232,12 @@ impl Slot {
         self.views.get_mut(&c).ok_or_else(|| {
             Error::invalid(
                 format!("model `{name}`"),
-                format!(
-                    "has no copy for stage {} of {} on this rank",
-                    c.stage, c.stages
-                ),
+                format!("has no copy for {} on this rank", c.describe()),
             )
         })
     }
 
-    /// The whole model (what inference and generation run on).
+    /// The whole model (what one process runs every call on).
     fn whole(&self) -> Result<&Model> {
         self.copy(Share::WHOLE)
     }

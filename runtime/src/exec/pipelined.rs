@@ -9,7 +9,7 @@
 
 use super::*;
 use crate::models::pipeline::{FusedPart, MicroBatch, Pass, run_fused};
-use comm::{played_by, replica_stage_ranks, sample_block, seating, stage_ranks_across};
+use comm::{dp_ranks, played_by, replica_ranks, sample_block, seating};
 use stream::gather_rows;
 use train::{Trained, head_outputs, micro_loss};
 
@@ -49,6 +49,9 @@ struct Seat {
     replica: usize,
     stage: u64,
     stages: u64,
+    /// This rank's tensor rank and the degree.
+    tp_rank: u64,
+    tp: u64,
 }
 
 impl<'p> Executor<'p> {
@@ -68,6 +71,8 @@ impl<'p> Executor<'p> {
                 replica: c.dp as usize,
                 stage: c.pp,
                 stages: p.pp,
+                tp_rank: c.tp,
+                tp: p.tp.max(1),
             }));
         }
         let steps: Vec<i64> = jobs
@@ -303,7 +308,7 @@ impl<'p> Executor<'p> {
             let opt = &mut opts[k];
             let m = models[k];
             opt.accumulate();
-            if let Some(g) = comm.group(&stage_ranks_across(&p, &s, seat.stage))? {
+            if let Some(g) = comm.group(&dp_ranks(&p, &s, seat.tp_rank, seat.stage))? {
                 match opt.accumulators() {
                     Some(acc) => comm::all_reduce_tensors(g, acc)?,
                     None => comm::all_reduce_gradients(g, &opt.parameters())?,
@@ -314,15 +319,23 @@ impl<'p> Executor<'p> {
             let tied = m.config().tie_word_embeddings && seat.stages > 1;
             let embed = m.embedding_parameter().map(|e| e.data_ptr());
             let named: BTreeMap<String, Tensor> = m.named_parameters().into_iter().collect();
+            // A parameter whole on every tensor rank has the same gradient on each: counted
+            // once over the group.
+            let tp = seat.tp as f64;
             let weight = |name: &str| {
-                if tied && embed.is_some() && named.get(name).map(|t| t.data_ptr()) == embed {
+                let w = if tied && embed.is_some() && named.get(name).map(|t| t.data_ptr()) == embed {
                     0.5
                 } else {
                     1.0
+                };
+                if m.replicated_across_tp(name) {
+                    w / tp
+                } else {
+                    w
                 }
             };
             let mut sq = [opt.grad_squares(&weight)];
-            if let Some(g) = comm.group(&replica_stage_ranks(&p, &s, seat.replica as u64))? {
+            if let Some(g) = comm.group(&replica_ranks(&p, &s, seat.replica as u64))? {
                 comm::sum(g, &mut sq)?;
             }
             let norm = sq[0].max(0.0).sqrt();
@@ -429,7 +442,8 @@ impl<'p> Executor<'p> {
                 .exec
                 .placement(j.id)
                 .ok_or_else(|| Error::invalid("plan", format!("{} has no placement", j.id)))?;
-            let last = seat.stage + 1 == seat.stages;
+            // The last stage's first tensor rank speaks for its replica.
+            let last = seat.stage + 1 == seat.stages && seat.tp_rank == 0;
             let mine = if last {
                 serde_json::json!({"local": t.local, "metrics": t.metrics})
             } else {
@@ -490,10 +504,11 @@ impl<'p> Executor<'p> {
         if !wants_own {
             return Ok((stats, None));
         }
+        let speaks = seat.is_none_or(|s| s.tp_rank == 0);
         let rows: Vec<Option<PerSampleOut>> = t
             .own
             .into_iter()
-            .map(|o| o.map(PerSampleOut::Tokens))
+            .map(|o| o.filter(|_| speaks).map(PerSampleOut::Tokens))
             .collect();
         let rows = gather_rows(&self.comm, rows)?;
         let own = rows

@@ -59,20 +59,21 @@ impl<'p> Executor<'p> {
             }
             self.load_weights(i, &dir)?;
             let name = self.slots[i].spec.name.clone();
-            let stage = self.slots[i].model()?.pipeline_stage();
-            if let Some(opt) = self.slots[i].opt.as_mut() {
-                opt.load(&checkpoint::stage_path(
-                    checkpoint::optimizer_path(&dir, &name),
-                    stage,
+            let slot = &mut self.slots[i];
+            let (Some(m), Some(opt)) = (slot.model.as_ref(), slot.opt.as_mut()) else {
+                continue;
+            };
+            opt.load(&checkpoint::part_path(
+                checkpoint::optimizer_path(&dir, &name),
+                m,
+            ))?;
+            if opt.has_masters() {
+                // The weights the run continues from; the model's copy is rounded from
+                // them (and equals the checkpoint's weights, which are that rounding).
+                opt.load_masters(&checkpoint::part_path(
+                    checkpoint::master_path(&dir, &name),
+                    m,
                 ))?;
-                if opt.has_masters() {
-                    // The weights the run continues from; the model's copy is rounded from
-                    // them (and equals the checkpoint's weights, which are that rounding).
-                    opt.load_masters(&checkpoint::stage_path(
-                        checkpoint::master_path(&dir, &name),
-                        stage,
-                    ))?;
-                }
             }
         }
         // Ranks that hold a trained model without training it (its generation, on other
@@ -305,11 +306,12 @@ impl<'p> Executor<'p> {
     }
 
     /// Whether this rank writes trained model `i` into checkpoints: the lowest rank of its
-    /// trainings' meshes, or with pipeline parallelism each stage of the first replica (its
-    /// own file of the sharded checkpoint).
+    /// trainings' meshes, or with pipeline or tensor parallelism every rank of the first
+    /// replica (each stage its own file of the sharded checkpoint, gathered from its tensor
+    /// ranks, which write their own optimizer state).
     fn writes_model(&self, i: usize) -> Result<bool> {
         let home = self.slots[i].home;
-        if home.stages <= 1 {
+        if home.stages <= 1 && home.tp <= 1 {
             return Ok(self.writer_of(i as u32) == Some(self.comm.rank));
         }
         for id in self.plan.graph.node_ids() {
@@ -320,7 +322,7 @@ impl<'p> Executor<'p> {
             {
                 let seats = comm::seating(self.exec, id)?;
                 let c = comm::played_by(&seats, self.comm.rank).and_then(|d| p.coords(d));
-                return Ok(c.is_some_and(|c| c.dp == 0 && c.tp == 0));
+                return Ok(c.is_some_and(|c| c.dp == 0));
             }
         }
         Ok(false)

@@ -2,8 +2,10 @@
 //! nodes, run right after the call they follow. A reshard runs its transfer plan — every slice
 //! of every parameter from its sender to its receivers — in the plan's order on every rank
 //! (`realloc::run_plan_mapped`), from the copy of the model the earlier call ran on here into
-//! the copy the later one runs on (the whole model, or a pipeline stage's share of it), so a
-//! training's updated weights reach its generation and inference layouts. Offload moves a model's weights to host memory and reload
+//! the copy the later one runs on (the whole model, a pipeline stage's share of it, either cut
+//! for tensor parallelism: the planner's slices are the runtime's cuts, the vocabulary's
+//! padding rows aside), so a training's updated weights reach its generation and inference
+//! layouts. Offload moves a model's weights to host memory and reload
 //! brings them back (nothing to move on a CPU).
 
 use super::*;
@@ -74,21 +76,7 @@ impl<'p> Executor<'p> {
     /// Which share of its model call `id` runs on here (`None` when this rank plays no device
     /// of its mesh).
     pub(super) fn share_of(&self, id: NodeId) -> Result<Option<Share>> {
-        let Some(p) = self.exec.placement(id) else {
-            return Ok(None);
-        };
-        let seats = comm::seating(self.exec, id)?;
-        let Some(c) = comm::played_by(&seats, self.comm.rank).and_then(|d| p.coords(d)) else {
-            return Ok(None);
-        };
-        Ok(Some(if p.pp > 1 {
-            Share {
-                stage: c.pp,
-                stages: p.pp,
-            }
-        } else {
-            Share::WHOLE
-        }))
+        comm::share_at(self.exec, id, self.comm.rank)
     }
 
     /// Runs reshard node `id` of model `model`: its transfer plan from the layout of the call
@@ -149,12 +137,11 @@ impl<'p> Executor<'p> {
                     write_slice(m, s, t)?;
                 }
             }
-            if b == Share::WHOLE {
-                let whole = slot.whole()?;
-                if let Some(r) = slot.replica.as_ref() {
-                    // The generation copy follows the whole model.
-                    copy_weights(r, whole)?;
-                }
+            if b == slot.replica_share
+                && let Some(r) = slot.replica.as_ref()
+            {
+                // The generation copy follows the copy of its share.
+                copy_weights(r, slot.copy(b)?)?;
             }
         }
         Ok(())
@@ -192,6 +179,21 @@ fn extra_cols(m: &Model) -> BTreeMap<Param, i64> {
         .collect()
 }
 
+/// Where `m`'s tensors start along slice `s`'s dimension: a tensor-parallel copy holds exactly
+/// its own slice of each parameter (the only slices a reshard reads from or writes into it),
+/// starting at its row or column 0; a whole copy holds everything.
+fn local(m: &Model, s: &Slice) -> Slice {
+    if m.tensor_parallel().0 > 1 {
+        Slice {
+            start: 0,
+            end: s.end - s.start,
+            ..*s
+        }
+    } else {
+        *s
+    }
+}
+
 /// Slice `s` of `m`'s parameter as a `[rows, cols]` tensor (norms as one row), its bias (if
 /// any) as one more column.
 fn slice_tensor(m: &Model, s: &Slice) -> Result<Tensor> {
@@ -201,12 +203,13 @@ fn slice_tensor(m: &Model, s: &Slice) -> Result<Tensor> {
         Some(b) => Tensor::f_cat(&[w2, b.reshape([-1, 1]).to_kind(m.kind())], 1)?,
         None => w2,
     };
-    Ok(realloc::cut(&t.detach(), s)?.to_device(Device::Cpu))
+    Ok(realloc::cut(&t.detach(), &local(m, s))?.to_device(Device::Cpu))
 }
 
 /// Writes slice `s` (as `slice_tensor` gives it) into `m`'s parameter.
 fn write_slice(m: &Model, s: &Slice, t: &Tensor) -> Result<()> {
     let (w, b) = param_pair(m, s.param)?;
+    let s = &local(m, s);
     let device = w.device();
     let wcols = if w.dim() == 1 {
         w.size()[0]

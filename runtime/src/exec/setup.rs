@@ -28,9 +28,6 @@ impl<'p> Executor<'p> {
         let mut here: BTreeSet<u32> = BTreeSet::new();
         let mut trains_here: BTreeSet<u32> = BTreeSet::new();
         let reused: BTreeSet<NodeId> = exec.decisions.reused_logprobs.keys().copied().collect();
-        // Models that generate while a streamed consumer runs on the same model on this rank:
-        // they need a replica to generate on.
-        let mut needs_replica: BTreeSet<u32> = Default::default();
         for id in &order {
             let Some(node) = plan.graph.node(*id) else {
                 continue;
@@ -53,17 +50,9 @@ impl<'p> Executor<'p> {
                     trains_here.insert(*model);
                 }
             }
-            if let Op::Generate { model, .. } = &node.op
-                && on_rank(*id)
-                && exec.streamed(*id).iter().any(|(c, _)| {
-                    plan.graph.node(*c).and_then(|n| n.op.model()) == Some(*model) && on_rank(*c)
-                })
-            {
-                needs_replica.insert(*model);
-            }
         }
-        // Which share of each model this rank's calls run on (the whole model, or a pipeline
-        // stage of a training), and the one it trains on.
+        // Which share of each model this rank's calls run on (the whole model, a pipeline
+        // stage of a training, either cut for tensor parallelism), and the one it trains on.
         let mut shares: BTreeMap<u32, BTreeSet<Share>> = BTreeMap::new();
         let mut train_share: BTreeMap<u32, Share> = BTreeMap::new();
         for id in &order {
@@ -74,29 +63,17 @@ impl<'p> Executor<'p> {
                 continue;
             };
             let is_train = matches!(node.op, Op::Train { .. });
-            if p.tp > 1 || (p.pp > 1 && !is_train) {
+            if p.pp > 1 && !is_train {
                 return Err(Error::invalid(
                     "plan",
                     format!(
-                        "{} runs with tensor parallelism {} and pipeline parallelism {}; this runtime executes tensor parallelism only in `braid generate --tp`, and pipeline parallelism only for `train` calls: plan with `place` pins of `tp 1` (and `pp 1` for generation and inference)",
-                        id, p.tp, p.pp
+                        "{} runs with pipeline parallelism {}; this runtime runs pipeline parallelism only for `train` calls: plan with `place` pins of `pp 1` for generation and inference",
+                        id, p.pp
                     ),
                 ));
             }
-            let seats = comm::seating(exec, *id)?;
-            let Some(device) = comm::played_by(&seats, rank) else {
+            let Some(share) = comm::share_at(exec, *id, rank)? else {
                 continue;
-            };
-            let Some(c) = p.coords(device) else {
-                continue;
-            };
-            let share = if p.pp > 1 {
-                Share {
-                    stage: c.pp,
-                    stages: p.pp,
-                }
-            } else {
-                Share::WHOLE
             };
             shares.entry(m).or_default().insert(share);
             if is_train
@@ -126,6 +103,14 @@ impl<'p> Executor<'p> {
                 ),
             ));
         }
+        // The generation replicas (a copy to generate on while streamed inference uses the
+        // model's own), and the groups of every tensor-parallel copy, on every rank alike.
+        let replicas = generation_replicas(exec, world)?;
+        let tp_copies = tp_copies(exec, world, &replicas)?;
+        let comm = match &options.dist {
+            Some(d) if d.world.size > 1 => Comm::connect(exec, d, &tp_copies)?,
+            _ => Comm::single(),
+        };
         let mut slots = Vec::new();
         for (i, spec) in plan.models.iter().enumerate() {
             let slot = i as u32;
@@ -137,9 +122,12 @@ impl<'p> Executor<'p> {
                 .copied()
                 .or_else(|| mine.iter().next().copied())
                 .unwrap_or(Share::WHOLE);
-            let cut = |mut m: Model, s: Share| -> Result<Model> {
+            let cut = |mut m: Model, s: Share, replica: bool| -> Result<Model> {
                 if s.stages > 1 {
                     m.retain_stage(s.stage as usize, s.stages as usize)?;
+                }
+                if s.tp > 1 {
+                    m = m.shard(comm.tensor_parallel(&(slot, s, replica))?)?;
                 }
                 Ok(m)
             };
@@ -150,7 +138,7 @@ impl<'p> Executor<'p> {
                     // on a copy rounded once into its dtype.
                     let (model, tokenizer) =
                         build_model(plan, i, &options.base_dir, options.device, Kind::Float)?;
-                    let mut model = cut(model, home)?;
+                    let mut model = cut(model, home, false)?;
                     let opt = if kind == Kind::Float {
                         AdamW::new(&model, c.clone())?
                     } else {
@@ -170,7 +158,7 @@ impl<'p> Executor<'p> {
                 (_, _, true) => {
                     let (model, tokenizer) =
                         build_model(plan, i, &options.base_dir, options.device, kind)?;
-                    (Some(cut(model, home)?), tokenizer, None)
+                    (Some(cut(model, home, false)?), tokenizer, None)
                 }
                 _ => (None, build_tokenizer(plan, i, &options.base_dir)?, None),
             };
@@ -178,8 +166,32 @@ impl<'p> Executor<'p> {
             if model.is_some() {
                 for &s in mine.iter().filter(|s| **s != home) {
                     let (m, _) = build_model(plan, i, &options.base_dir, options.device, kind)?;
-                    views.insert(s, cut(m, s)?);
+                    views.insert(s, cut(m, s, false)?);
                 }
+            }
+            // The generation replica: the generation's share, in the model's dtype, with the
+            // values of that share's copy.
+            let mut replica = None;
+            let replica_share = replicas
+                .get(&(slot, rank))
+                .copied()
+                .unwrap_or(Share::WHOLE);
+            if model.is_some() && replicas.contains_key(&(slot, rank)) {
+                let (m, _) = build_model(plan, i, &options.base_dir, options.device, kind)?;
+                let r = cut(m, replica_share, true)?;
+                let src = if replica_share == home {
+                    model.as_ref()
+                } else {
+                    views.get(&replica_share)
+                };
+                let src = src.ok_or_else(|| {
+                    Error::invalid(
+                        format!("model `{}`", spec.name),
+                        "generates on a copy this rank does not hold",
+                    )
+                })?;
+                copy_weights(&r, src)?;
+                replica = Some(r);
             }
             slots.push(Slot {
                 spec: spec.clone(),
@@ -189,7 +201,8 @@ impl<'p> Executor<'p> {
                 tokenizer,
                 opt,
                 total_opt_steps: opt_steps.get(&slot).copied().unwrap_or(0),
-                replica: None,
+                replica,
+                replica_share,
                 pipeline: None,
             });
         }
@@ -206,10 +219,6 @@ impl<'p> Executor<'p> {
                 "interleaves two pipeline-parallel trainings, which needs their ranks: run it under `braid launch`",
             ));
         }
-        let comm = match &options.dist {
-            Some(d) if d.world.size > 1 => Comm::connect(exec, d)?,
-            _ => Comm::single(),
-        };
         let jit = Jit::new().map_err(|e| Error::invalid("jit", e.to_string()))?;
         let mut kernels = BTreeMap::new();
         for id in &order {
@@ -241,17 +250,6 @@ impl<'p> Executor<'p> {
             last_samples: Vec::new(),
             timeline: Vec::new(),
         };
-        for model in needs_replica {
-            let i = model as usize;
-            if ex.slots[i].opt.is_some() {
-                // Generation's copy: the model's dtype only, refreshed after every update.
-                let kind = ex.slots[i].whole()?.kind();
-                let (replica, _) =
-                    build_model(plan, i, &ex.options.base_dir, ex.options.device, kind)?;
-                copy_weights(&replica, ex.slots[i].whole()?)?;
-                ex.slots[i].replica = Some(replica);
-            }
-        }
         ex.connect_pipelines()?;
         if ex.options.resume {
             ex.restore()?;
@@ -274,10 +272,12 @@ impl<'p> Executor<'p> {
             }
             let seats = comm::seating(self.exec, id)?;
             for k in 0..p.dp {
-                let ranks = comm::replica_stage_ranks(p, &seats, k);
-                if !ranks.contains(&self.comm.rank) {
+                let Some(ranks) = (0..p.tp)
+                    .map(|t| comm::lane_ranks(p, &seats, k, t))
+                    .find(|lane| lane.contains(&self.comm.rank))
+                else {
                     continue;
-                }
+                };
                 let Some(world) = self.comm.world() else {
                     return Err(Error::invalid(
                         "plan",
@@ -339,6 +339,105 @@ impl<'p> Executor<'p> {
             .map(|g| (g, self.exec.streamed(g)))
             .collect()
     }
+}
+
+/// The generation replicas of the run, by (model, rank): a trained model that generates while
+/// a streamed consumer runs on the same copy of it gets a second copy to generate on (two
+/// threads cannot share one model), of the generation's share. The tensor-parallel ranks of a
+/// generation decide together: if one needs a replica, all generate on one, so that they issue
+/// their collectives on the same group.
+fn generation_replicas(exec: &ExecPlan, world: usize) -> Result<BTreeMap<(u32, usize), Share>> {
+    let g = &exec.plan.graph;
+    let trains = |m: u32, r: usize| -> Result<bool> {
+        for id in g.node_ids() {
+            if let Some(Op::Train { model, .. }) = g.node(id).map(|n| &n.op)
+                && *model == m
+                && comm::share_at(exec, id, r)?.is_some()
+            {
+                return Ok(true);
+            }
+        }
+        Ok(false)
+    };
+    let mut out: BTreeMap<(u32, usize), Share> = BTreeMap::new();
+    for id in g.topo_order().unwrap_or_else(|| g.node_ids()) {
+        let Some(Op::Generate { model, .. }) = g.node(id).map(|n| &n.op) else {
+            continue;
+        };
+        let m = *model;
+        let mut needed: BTreeSet<Share> = BTreeSet::new();
+        for r in 0..world {
+            let Some(gs) = comm::share_at(exec, id, r)? else {
+                continue;
+            };
+            let mut same = false;
+            for (c, _) in exec.streamed(id) {
+                if g.node(c).and_then(|n| n.op.model()) == Some(m)
+                    && comm::share_at(exec, c, r)? == Some(gs)
+                {
+                    same = true;
+                }
+            }
+            if same && trains(m, r)? {
+                needed.insert(gs);
+            }
+        }
+        for gs in needed {
+            let ranks = if gs.tp > 1 {
+                gs.tp_ranks()
+            } else {
+                (0..world)
+                    .filter(|r| comm::share_at(exec, id, *r).ok().flatten() == Some(gs))
+                    .collect()
+            };
+            for r in ranks {
+                if let Some(old) = out.insert((m, r), gs)
+                    && old != gs
+                {
+                    return Err(Error::invalid(
+                        "plan",
+                        format!(
+                            "model `{}` generates in two layouts on rank {r} while streamed inference runs on it; this runtime keeps one generation copy per model",
+                            exec.plan.models[m as usize].name
+                        ),
+                    ));
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Every tensor-parallel copy of a model some rank holds (a call's share with `tp > 1`, and
+/// generation replicas of such shares), sorted: the order every rank creates their groups in.
+fn tp_copies(
+    exec: &ExecPlan,
+    world: usize,
+    replicas: &BTreeMap<(u32, usize), Share>,
+) -> Result<Vec<comm::TpCopy>> {
+    let g = &exec.plan.graph;
+    let mut out: BTreeSet<comm::TpCopy> = BTreeSet::new();
+    for id in g.node_ids() {
+        let Some(m) = g.node(id).and_then(|n| n.op.model()) else {
+            continue;
+        };
+        if !g.node(id).is_some_and(|n| n.op.is_model_call()) {
+            continue;
+        }
+        for r in 0..world {
+            if let Some(s) = comm::share_at(exec, id, r)?
+                && s.tp > 1
+            {
+                out.insert((m, s, false));
+            }
+        }
+    }
+    for ((m, _), s) in replicas {
+        if s.tp > 1 {
+            out.insert((*m, *s, true));
+        }
+    }
+    Ok(out.into_iter().collect())
 }
 
 /// Checks that every model reading a rollout's token ids can: a `logprobs` or `values` call
@@ -523,9 +622,17 @@ pub(super) fn build_tokenizer(plan: &Plan, slot: usize, base_dir: &Path) -> Resu
     }
 }
 
-/// Copies every parameter `dst` holds from `src` (same architecture; `src` whole).
+/// Copies every parameter `dst` holds from `src` (same architecture): `src` whole, or cut
+/// exactly as `dst` is (the same pipeline stage and tensor-parallel slice).
 pub(super) fn copy_weights(dst: &Model, src: &Model) -> Result<()> {
     let from: BTreeMap<String, Tensor> = src.named_parameters().into_iter().collect();
+    let cut = src.tensor_parallel().0 == 1 && dst.tensor_parallel().0 > 1;
+    if src.tensor_parallel().0 > 1 && src.tensor_parallel() != dst.tensor_parallel() {
+        return Err(Error::invalid(
+            "replica",
+            "a tensor-parallel copy's values go only to a copy cut alike",
+        ));
+    }
     tch::no_grad(|| -> Result<()> {
         for (name, t) in dst.held_parameters() {
             let s = from.get(&name).ok_or_else(|| {
@@ -534,8 +641,13 @@ pub(super) fn copy_weights(dst: &Model, src: &Model) -> Result<()> {
                     format!("parameter `{name}` missing in the source"),
                 )
             })?;
+            let s = if cut {
+                dst.local_part(&name, s)?
+            } else {
+                s.shallow_clone()
+            };
             let mut d = t.shallow_clone();
-            d.f_copy_(s)?;
+            d.f_copy_(&s)?;
         }
         Ok(())
     })

@@ -13,7 +13,7 @@
 
 use super::*;
 use crate::dist::ProcessGroup;
-use comm::{generating_rank, prompt_block, replica_rank, sample_block};
+use comm::{prompt_block, replica_tp_ranks, sample_block, sample_source};
 
 impl<'p> Executor<'p> {
     /// Generates a rollout; the nodes that read it directly run on micro-batches of finished
@@ -90,21 +90,45 @@ impl<'p> Executor<'p> {
             };
             let dp = cp.dp.max(1) as usize;
             for k in 0..dp {
-                let at = replica_rank(cp, k);
                 let block = sample_block(total, dp, k);
-                for s in block.clone() {
-                    let src = generating_rank(&gp, prompts, n, s);
-                    if src == rank && at != rank {
-                        dests.entry(at).or_default().push(s);
+                // Every tensor rank of the consumer's replica reads the samples.
+                for at in replica_tp_ranks(cp, k) {
+                    for s in block.clone() {
+                        let src = sample_source(&gp, prompts, n, s, at);
+                        if src == rank && at != rank {
+                            dests.entry(at).or_default().push(s);
+                        }
+                        if at == rank && src != rank {
+                            sources.entry(src).or_default().push(s);
+                        }
                     }
-                    if at == rank && src != rank {
-                        sources.entry(src).or_default().push(s);
+                    if at == rank {
+                        consumers.push((c, chunk.max(1) as usize, block.clone()));
                     }
-                }
-                if at == rank {
-                    consumers.push((c, chunk.max(1) as usize, block));
                 }
             }
+        }
+        // The shares the generation and each consumer here run on.
+        let gen_share = self.share_of(id)?;
+        let mut consumer_shares = Vec::new();
+        for (c, _, _) in &consumers {
+            consumer_shares.push(self.share_of(*c)?.unwrap_or(Share::WHOLE));
+        }
+        // Tensor-parallel consumers run their micro-batches in one order on every rank of their
+        // group (their layers' collectives must match): by the last sample they read, then
+        // the consumer, each once all its samples have arrived.
+        let ordered = consumer_shares.iter().any(|s| s.tp > 1);
+        let mut queue: Vec<(usize, std::ops::Range<usize>)> = Vec::new();
+        if ordered {
+            for (k, (_, chunk, block)) in consumers.iter().enumerate() {
+                let mut a = block.start;
+                while a < block.end {
+                    let b = (a + chunk).min(block.end);
+                    queue.push((k, a..b));
+                    a = b;
+                }
+            }
+            queue.sort_by_key(|(k, r)| (r.end, *k));
         }
         for v in dests.values_mut().chain(sources.values_mut()) {
             v.sort_unstable();
@@ -133,11 +157,11 @@ impl<'p> Executor<'p> {
             recv_groups.push((src, self.comm.take_stream(id, src, rank)?));
         }
         let streams_here = !consumers.is_empty();
-        // Split borrows: generation gets the replica (or the model when nothing streams on
-        // it here).
+        // Split borrows: generation gets its share's copy, or the replica of it when a streamed
+        // consumer here runs on that copy; the consumers get the other copies.
         let mut gen_model: Option<&mut Model> = None;
         let mut tok: Option<&Tokenizer> = None;
-        let mut others: Vec<(usize, &Model, &Tokenizer)> = Vec::new();
+        let mut others: Vec<(usize, Share, &Model, &Tokenizer)> = Vec::new();
         let retokenize = &self.retokenize;
         for (i, s) in self.slots.iter_mut().enumerate() {
             let Slot {
@@ -145,30 +169,34 @@ impl<'p> Executor<'p> {
                 home,
                 views,
                 replica,
+                replica_share,
                 tokenizer,
                 ..
             } = s;
             if i == model {
                 tok = Some(tokenizer);
             }
-            // Generation and inference run on the whole model.
-            let whole = if *home == Share::WHOLE {
-                m.as_mut()
-            } else {
-                views.get_mut(&Share::WHOLE)
-            };
-            let Some(m) = whole else { continue };
-            if i == model && !mine.is_empty() {
-                // A replica exists only when a streamed consumer runs on this model here.
-                match (replica, streams_here) {
-                    (Some(r), true) => {
-                        gen_model = Some(r);
-                        others.push((i, m, tokenizer));
+            let mut copies: Vec<(Share, &mut Model)> = m
+                .as_mut()
+                .map(|m| (*home, m))
+                .into_iter()
+                .chain(views.iter_mut().map(|(s, m)| (*s, m)))
+                .collect();
+            if i == model
+                && !mine.is_empty()
+                && let Some(gs) = gen_share
+            {
+                match replica.as_mut() {
+                    Some(r) if *replica_share == gs && streams_here => gen_model = Some(r),
+                    _ => {
+                        if let Some(at) = copies.iter().position(|(s, _)| *s == gs) {
+                            gen_model = Some(copies.remove(at).1);
+                        }
                     }
-                    _ => gen_model = Some(m),
                 }
-            } else {
-                others.push((i, m, tokenizer));
+            }
+            for (sh, m) in copies {
+                others.push((i, sh, m, tokenizer));
             }
         }
         let Some(tok) = tok else {
@@ -250,6 +278,7 @@ impl<'p> Executor<'p> {
             // threads' timing).
             let mut next: Vec<usize> = consumers.iter().map(|c| c.2.start).collect();
             let mut finished = vec![false; total];
+            let mut q = 0usize;
             let mut outcome: Result<()> = Ok(());
             let mut run_chunk = |k: usize,
                                  range: std::ops::Range<usize>,
@@ -267,7 +296,11 @@ impl<'p> Executor<'p> {
                 let Some(m) = node.op.model() else {
                     return Err(Error::invalid("plan", format!("{c} runs no model")));
                 };
-                let Some((_, mm, mtok)) = others.iter().find(|(i, _, _)| *i == m as usize) else {
+                let share = consumer_shares[k];
+                let Some((_, _, mm, mtok)) = others
+                    .iter()
+                    .find(|(i, sh, _, _)| *i == m as usize && *sh == share)
+                else {
                     return Err(Error::invalid("plan", format!("{c}: model busy")));
                 };
                 let seqs = sequences(
@@ -322,6 +355,19 @@ impl<'p> Executor<'p> {
                 }
                 samples[slot] = Some((sample, r));
                 finished[slot] = true;
+                if ordered {
+                    while let Some((k, range)) = queue.get(q).cloned() {
+                        if !finished[range.clone()].iter().all(|f| *f) {
+                            break;
+                        }
+                        q += 1;
+                        if let Err(e) = run_chunk(k, range, &samples, &mut stats) {
+                            outcome = Err(e);
+                            break 'receive;
+                        }
+                    }
+                    continue;
+                }
                 for k in 0..consumers.len() {
                     let (chunk, end) = (consumers[k].1, consumers[k].2.end);
                     loop {
@@ -389,9 +435,11 @@ impl<'p> Executor<'p> {
             self.comm.put_stream(id, src, rank, g);
         }
         // Every rank takes the whole rollout, and every streamed result, from the ranks that
-        // made them.
+        // made them (a tensor-parallel group's first rank speaks for it).
+        let leads = gen_share.is_some_and(|s| s.leads(rank));
         let mine_samples: Vec<(usize, Sample)> = samples
             .iter()
+            .filter(|_| leads)
             .enumerate()
             .filter_map(|(i, s)| match s {
                 Some((sample, _)) if mine.contains(&sample.prompt_index) => {
@@ -431,7 +479,10 @@ impl<'p> Executor<'p> {
         });
         let mut streamed = Vec::new();
         for (c, _) in self.exec.streamed(id) {
-            let rows = partial.remove(&c).unwrap_or_else(|| vec![None; total]);
+            let mut rows = partial.remove(&c).unwrap_or_else(|| vec![None; total]);
+            if !self.share_of(c)?.is_some_and(|s| s.leads(rank)) {
+                rows = vec![None; total];
+            }
             let rows = gather_rows(&self.comm, rows)?;
             if rows.iter().any(Option::is_none) {
                 return Err(Error::invalid(

@@ -60,12 +60,25 @@ impl<'p> Executor<'p> {
         if let Some(coords) = p.coords(rank) {
             let dp = p.dp.max(1) as usize;
             let replica = coords.dp as usize;
-            let group = self.comm.mesh(&p)?;
+            // The replicas at this tensor rank sum gradients and metrics; the tensor ranks of
+            // this replica sum the squares of their gradients for the norm.
+            let group = self
+                .comm
+                .group(&comm::dp_ranks(&p, &comm::seating(self.exec, id)?, coords.tp, 0))?;
+            let tp_group = if p.tp > 1 {
+                self.comm
+                    .group(&comm::replica_ranks(&p, &comm::seating(self.exec, id)?, coords.dp))?
+            } else {
+                None
+            };
+            let leads = coords.tp == 0;
             let Slot {
                 spec,
                 model: m,
+                home,
                 opt,
                 replica: gen_copy,
+                replica_share,
                 total_opt_steps,
                 ..
             } = &mut self.slots[model];
@@ -151,7 +164,24 @@ impl<'p> Executor<'p> {
                         }
                     }
                     lr = opt.lr_at(opt.step, *total_opt_steps);
-                    let outcome = opt.step(lr, grad_clip);
+                    let outcome = match tp_group {
+                        // The norm over the whole model: every tensor rank's slices once, a
+                        // parameter whole on each of them counted once.
+                        Some(g) => {
+                            let tp = p.tp as f64;
+                            let weight = |name: &str| {
+                                if m.replicated_across_tp(name) {
+                                    1.0 / tp
+                                } else {
+                                    1.0
+                                }
+                            };
+                            let mut sq = [opt.grad_squares(&weight)];
+                            comm::sum(g, &mut sq)?;
+                            opt.step_with_norm(lr, grad_clip, sq[0].max(0.0).sqrt())
+                        }
+                        None => opt.step(lr, grad_clip),
+                    };
                     if outcome.skipped {
                         skipped += 1;
                     } else {
@@ -168,8 +198,14 @@ impl<'p> Executor<'p> {
                 comm::sum(g, &mut local)?;
                 comm::sum(g, &mut metric_sums)?;
             }
-            if let Some(rep) = gen_copy.as_mut() {
+            if let Some(rep) = gen_copy.as_mut()
+                && *replica_share == *home
+            {
                 copy_weights(rep, m)?;
+            }
+            if !leads {
+                // The first tensor rank's log-probabilities are gathered (they are the same).
+                own.iter_mut().for_each(|o| *o = None);
             }
             let [loss_sum, ent_tok, tokens] = local;
             let k = opt_steps.max(1) as f64;

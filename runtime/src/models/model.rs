@@ -754,6 +754,25 @@ impl Model {
         }
     }
 
+    /// This rank's part of parameter `name`, given the whole tensor: its tensor-parallel slice
+    /// (padded vocabulary rows included), or the tensor itself on a whole model.
+    pub fn local_part(&self, name: &str, whole: &Tensor) -> Result<Tensor> {
+        match &self.shard {
+            Some(s) => s.slice(whole, s.cut(name, self.config.arch)),
+            None => Ok(whole.shallow_clone()),
+        }
+    }
+
+    /// Whether parameter `name` is whole on every rank of this model's tensor-parallel group
+    /// (always true on a whole model): its gradient is the same on each of them, so a norm
+    /// over the group counts it once.
+    pub fn replicated_across_tp(&self, name: &str) -> bool {
+        match &self.shard {
+            Some(s) => s.cut(name, self.config.arch) == Cut::Whole,
+            None => true,
+        }
+    }
+
     /// Every parameter this rank holds (`held_parameters`) whole: on a tensor-parallel model
     /// gathered from the group's slices (every rank of the group must call it), otherwise the
     /// parameters themselves, detached.

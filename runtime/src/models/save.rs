@@ -104,8 +104,19 @@ fn write_json(path: &Path, v: &Value) -> Result<()> {
     std::fs::write(path, text + "\n").map_err(|e| Error::file(path, format!("cannot write: {e}")))
 }
 
-/// Saves `model` and `tokenizer` into `dir` (created if needed; files there are replaced).
+/// Saves `model` and `tokenizer` into `dir` (created if needed; files there are replaced). A
+/// tensor-parallel model is gathered whole first: every rank of its group must call this, and
+/// its first rank writes.
 pub fn save_pretrained(model: &Model, tokenizer: &Tokenizer, dir: &Path) -> Result<()> {
+    let (tp, tp_rank) = model.tensor_parallel();
+    let held = if tp > 1 {
+        model.gather_parameters()?
+    } else {
+        model.held_parameters()
+    };
+    if tp_rank > 0 {
+        return Ok(());
+    }
     std::fs::create_dir_all(dir)
         .map_err(|e| Error::file(dir, format!("cannot create directory: {e}")))?;
     let dtype = dtype_name(model.kind());
@@ -133,7 +144,7 @@ pub fn save_pretrained(model: &Model, tokenizer: &Tokenizer, dir: &Path) -> Resu
     let here = model.pipeline_stage().map_or(0, |(s, _)| s);
     let mut file = "model.safetensors".to_string();
     let mut params: Vec<(String, Tensor)> = Vec::new();
-    for (name, t) in model.held_parameters() {
+    for (name, t) in held {
         let (s, f) = file_of(&name);
         if s == here {
             params.push((name, t.detach().to_kind(model.kind())));

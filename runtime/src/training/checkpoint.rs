@@ -131,12 +131,22 @@ pub fn master_path(dir: &Path, name: &str) -> PathBuf {
     dir.join("master").join(format!("{name}.safetensors"))
 }
 
-/// `path` for pipeline stage `stage` (`Some((s, n))`: stage `s` of `n`, each stage's state in
-/// a file of its own), or `path` itself for a whole model.
-pub fn stage_path(path: PathBuf, stage: Option<(usize, usize)>) -> PathBuf {
-    match stage {
-        Some((s, n)) => path.with_extension(format!("stage-{s}-of-{n}.safetensors")),
-        None => path,
+/// `path` for the part of a model that `model` holds: its pipeline stage (`stage-S-of-N`) and
+/// tensor-parallel rank (`tp-T-of-M`), each part's state in a file of its own, or `path`
+/// itself for a whole model.
+pub fn part_path(path: PathBuf, model: &Model) -> PathBuf {
+    let mut ext = String::new();
+    if let Some((s, n)) = model.pipeline_stage() {
+        ext.push_str(&format!("stage-{s}-of-{n}."));
+    }
+    let (tp, t) = model.tensor_parallel();
+    if tp > 1 {
+        ext.push_str(&format!("tp-{t}-of-{tp}."));
+    }
+    if ext.is_empty() {
+        path
+    } else {
+        path.with_extension(format!("{ext}safetensors"))
     }
 }
 
@@ -189,11 +199,10 @@ pub fn write_model(
     opt: &AdamW,
 ) -> Result<()> {
     save_pretrained(model, tokenizer, &tmp.join("models").join(name))?;
-    let stage = model.pipeline_stage();
-    opt.save(&stage_path(optimizer_path(tmp, name), stage))?;
+    opt.save(&part_path(optimizer_path(tmp, name), model))?;
     if opt.has_masters() {
         fs::create_dir_all(tmp.join("master")).map_err(|e| io(tmp, "cannot create", e))?;
-        opt.save_masters(&stage_path(master_path(tmp, name), stage))?;
+        opt.save_masters(&part_path(master_path(tmp, name), model))?;
     }
     Ok(())
 }

@@ -196,11 +196,23 @@ impl Pass for Speculate {
                 merged
             };
             // A pin runs as written (lowering put it on the node, the draft model resolved to
-            // its directory); otherwise the engine drafts adaptively where drafting pays.
+            // its directory); otherwise the engine drafts adaptively where drafting pays —
+            // except under tensor parallelism, whose ranks must take the same steps: there the
+            // n-gram drafter runs with the policy's longest draft, fixed (an adaptive length
+            // would follow each rank's own timings).
+            let longest = policy.iter().map(|x| x.1).max().unwrap_or(0);
             let run = match (pinned, &pinned_run) {
                 (true, Some(r)) => r.clone(),
+                _ if mode != "off" && p.tp > 1 && longest > 0 => Speculation::Ngram {
+                    max_draft: longest.min(u64::from(u32::MAX)) as u32,
+                },
                 _ if mode != "off" => Speculation::Auto,
                 _ => Speculation::Off,
+            };
+            let why = if matches!(run, Speculation::Ngram { .. }) && !pinned {
+                format!("{why}; n-gram drafts of at most {longest} tokens, fixed under tensor parallelism (its ranks must agree on every step)")
+            } else {
+                why
             };
             let mode = match mode {
                 "ngram" => DraftKind::Ngram,
