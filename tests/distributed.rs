@@ -432,6 +432,80 @@ fn ppo_tiny_tensor_parallel_on_2_ranks_gives_the_one_process_metrics() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// `ppo_tiny` on 4 ranks with a mix of layouts pinned (`place`): generation, the policy's and
+/// the reward model's inference tp 2 over 2 replicas, the reference tp 2 on 2 of the ranks,
+/// the critic's values data-parallel on the other 2, the policy trained tp 2 × pp 2 and
+/// interleaved with the critic's tp 2 training (one fused schedule), reshards between tp 1 and
+/// 2 and between pp 1 and 2. The first steps compute what one process does.
+#[test]
+fn mixed_tensor_and_pipeline_layouts_on_4_ranks_give_the_one_process_metrics() {
+    let dir = tmp("mix4");
+    let src = std::fs::read_to_string("examples/ppo_tiny.rlhf").unwrap();
+    let pins = [
+        "generate(policy) on 0..4 tp 2",
+        "logprobs(policy) on 0..4 tp 2",
+        "logprobs(ref) on 0..2 tp 2",
+        "values(critic) on 2..4",
+        "score(reward_model) on 0..4 tp 2",
+        "train(policy) on 0..4 tp 2 pp 2",
+        "train(critic) on 0..4 tp 2 dp 2",
+    ];
+    let pins: String = pins.iter().map(|p| format!("  place {p}\n")).collect();
+    let file = Path::new("examples").join(format!(".mix4-{}.rlhf", std::process::id()));
+    std::fs::write(
+        &file,
+        format!("{src}\ncluster {{ cpus: 4 }}\n\nschedule {{\n{pins}}}\n"),
+    )
+    .unwrap();
+    let (one, four) = (dir.join("one"), dir.join("four"));
+    let out = run_one(&[
+        "examples/ppo_tiny.rlhf",
+        "--run-dir",
+        one.to_str().unwrap(),
+        "--steps",
+        "3",
+    ]);
+    let (ok, stderr) = launch_run(
+        4,
+        &[
+            file.to_str().unwrap(),
+            "--run-dir",
+            four.to_str().unwrap(),
+            "--steps",
+            "3",
+        ],
+        Duration::from_secs(600),
+    );
+    let _ = std::fs::remove_file(&file);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(ok, "{stderr}");
+    let plan: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(four.join("plan.json")).unwrap()).unwrap();
+    let d = &plan["decisions"];
+    assert_eq!(d["interleave"].as_array().unwrap().len(), 1, "{d}");
+    assert!(
+        d["transfers"].as_object().unwrap().len() >= 4,
+        "reshards between the layouts: {}",
+        d["transfers"]
+    );
+    let (a, b) = (metrics(&one), metrics(&four));
+    assert_eq!(b.len(), 3);
+    same_metrics(&a, &b, &["response_length"]);
+    let ck = four.join("checkpoints/step-000003");
+    for f in [
+        "models/policy/model.safetensors.index.json",
+        "optimizer/policy.stage-1-of-2.tp-1-of-2.safetensors",
+        "optimizer/critic.tp-1-of-2.safetensors",
+    ] {
+        assert!(ck.join(f).exists(), "{f}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// PPO with generation on rank 0 and the critic and reward model on rank 1 (`place` pins):
 /// the critic's values and the reward model's scores stream from rank 0 to rank 1 sample by
 /// sample under generation, the critic trains on rank 1 and the policy on rank 0, and the

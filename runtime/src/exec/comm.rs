@@ -297,7 +297,7 @@ pub(super) fn all_reduce_tensors(group: &ProcessGroup, tensors: Vec<Tensor>) -> 
 
 /// The member lists of the groups the plan's model calls need beyond the world, in plan
 /// order (topological), each once: the mesh of every call with more than one device, and for
-/// every `train` cut by pipeline or tensor parallelism the ranks of each (stage, tensor rank)
+/// every `train` cut by pipeline or tensor parallelism, or fused with another, the ranks of each (stage, tensor rank)
 /// across its data-parallel replicas (which sum their gradients) and all ranks of each replica
 /// (which sum the squares of their gradients for the norm).
 pub fn mesh_groups(exec: &ExecPlan) -> Vec<Vec<usize>> {
@@ -319,8 +319,13 @@ pub fn mesh_groups(exec: &ExecPlan) -> Vec<Vec<usize>> {
         {
             add(p.devices().map(|d| d as usize).collect());
         }
+        let fused = exec
+            .decisions
+            .interleave
+            .iter()
+            .any(|f| f.forward == id || f.reverse == id);
         if let (Some(Op::Train { .. }), Some(p)) = (g.node(id).map(|n| &n.op), exec.placement(id))
-            && (p.pp > 1 || p.tp > 1)
+            && (p.pp > 1 || p.tp > 1 || fused)
         {
             let seats = seating(exec, id).unwrap_or_default();
             for s in 0..p.pp {

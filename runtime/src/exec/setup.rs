@@ -257,7 +257,8 @@ impl<'p> Executor<'p> {
         Ok(ex)
     }
 
-    /// Creates this rank's stage of every pipeline-parallel training it takes part in, in plan
+    /// Creates this rank's stage of every pipeline-parallel training it takes part in, and of
+    /// every training of a fused schedule (a pipeline of one stage when its `pp` is 1), in plan
     /// order on every rank (each pipeline's links are groups of its neighbouring stages).
     fn connect_pipelines(&mut self) -> Result<()> {
         for id in self.order.clone() {
@@ -267,7 +268,13 @@ impl<'p> Executor<'p> {
             ) else {
                 continue;
             };
-            if p.pp <= 1 {
+            let fused = self
+                .exec
+                .decisions
+                .interleave
+                .iter()
+                .any(|f| f.forward == id || f.reverse == id);
+            if p.pp <= 1 && !fused {
                 continue;
             }
             let seats = comm::seating(self.exec, id)?;

@@ -626,7 +626,8 @@ impl Model {
         let shard = Shard::new(&self.config, comm, self.device)?;
         let arch = self.config.arch;
         tch::no_grad(|| -> Result<()> {
-            for (name, var) in self.named_parameters() {
+            // A pipeline stage cuts only what it holds (`retain_stage` emptied the rest).
+            for (name, var) in self.held_parameters() {
                 let cut = shard.cut(&name, arch);
                 if cut == Cut::Whole {
                     continue;
