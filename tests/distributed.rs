@@ -402,7 +402,11 @@ fn ppo_tiny_tensor_parallel_on_2_ranks_gives_the_one_process_metrics() {
     assert!(ok3, "{stderr3}");
     let plan: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(two.join("plan.json")).unwrap()).unwrap();
-    for p in plan["decisions"]["placements"].as_object().unwrap().values() {
+    for p in plan["decisions"]["placements"]
+        .as_object()
+        .unwrap()
+        .values()
+    {
         assert_eq!(p["tp"], 2, "{p}");
     }
     let (a, b, c) = (metrics(&one), metrics(&two), metrics(&resumed));
@@ -433,10 +437,11 @@ fn ppo_tiny_tensor_parallel_on_2_ranks_gives_the_one_process_metrics() {
 }
 
 /// `ppo_tiny` on 4 ranks with a mix of layouts pinned (`place`): generation, the policy's and
-/// the reward model's inference tp 2 over 2 replicas, the reference tp 2 on 2 of the ranks,
-/// the critic's values data-parallel on the other 2, the policy trained tp 2 × pp 2 and
-/// interleaved with the critic's tp 2 training (one fused schedule), reshards between tp 1 and
-/// 2 and between pp 1 and 2. The first steps compute what one process does.
+/// the reward model's inference tp 2 over 2 replicas (streamed), the reference's log-probs
+/// through tp 2 × pp 2 and the critic's values through dp 2 × pp 2 pipelines (after
+/// generation: pipelines do not stream), the policy trained tp 2 × pp 2 and interleaved with
+/// the critic's tp 2 training (one fused schedule), reshards between tp 1 and 2 and between
+/// pp 1 and 2. The first steps compute what one process does.
 #[test]
 fn mixed_tensor_and_pipeline_layouts_on_4_ranks_give_the_one_process_metrics() {
     let dir = tmp("mix4");
@@ -444,8 +449,8 @@ fn mixed_tensor_and_pipeline_layouts_on_4_ranks_give_the_one_process_metrics() {
     let pins = [
         "generate(policy) on 0..4 tp 2",
         "logprobs(policy) on 0..4 tp 2",
-        "logprobs(ref) on 0..2 tp 2",
-        "values(critic) on 2..4",
+        "logprobs(ref) on 0..4 tp 2 pp 2",
+        "values(critic) on 0..4 dp 2 pp 2",
         "score(reward_model) on 0..4 tp 2",
         "train(policy) on 0..4 tp 2 pp 2",
         "train(critic) on 0..4 tp 2 dp 2",

@@ -241,8 +241,9 @@ pub fn fits(a: &Annotated, id: NodeId, p: &Placement) -> bool {
 }
 
 /// Every layout of call `id` on `count` devices starting at 0 (tensor-parallel degrees are
-/// powers of two inside a node that divide the heads; pipeline degrees divide the layers;
-/// generation runs without pipeline stages), with its micro-batch choices. Not filtered by
+/// powers of two inside a node that divide the heads and the feed-forward width; pipeline
+/// degrees divide the layers; generation runs without pipeline stages: the layouts the runtime
+/// runs), with its micro-batch choices. Not filtered by
 /// memory. Deterministic order.
 pub fn layout_options(a: &Annotated, id: NodeId, count: u64) -> Vec<Placement> {
     let (Some(node), Some(size)) = (a.plan.graph.node(id), call_size(a, id)) else {
@@ -256,7 +257,11 @@ pub fn layout_options(a: &Annotated, id: NodeId, count: u64) -> Vec<Placement> {
     let mut out = Vec::new();
     let mut tp = 1u64;
     while tp <= per_node.min(count) {
-        if shape.heads.is_multiple_of(tp) && count.is_multiple_of(tp) {
+        // The runtime's tensor parallelism splits heads and the feed-forward width evenly.
+        if shape.heads.is_multiple_of(tp)
+            && shape.intermediate.is_multiple_of(tp)
+            && count.is_multiple_of(tp)
+        {
             for pp in 1..=shape.layers.min(count / tp) {
                 if (is_gen && pp > 1)
                     || !shape.layers.is_multiple_of(pp)

@@ -411,7 +411,16 @@ pub fn lane_ranks(p: &Placement, seats: &BTreeMap<u64, u64>, k: u64, tp: u64) ->
 pub fn replica_ranks(p: &Placement, seats: &BTreeMap<u64, u64>, k: u64) -> Vec<usize> {
     let mut out: Vec<usize> = (0..p.pp)
         .flat_map(|s| (0..p.tp).map(move |t| (s, t)))
-        .map(|(s, t)| seat(seats, p.device_at(Coords { dp: k, tp: t, pp: s })))
+        .map(|(s, t)| {
+            seat(
+                seats,
+                p.device_at(Coords {
+                    dp: k,
+                    tp: t,
+                    pp: s,
+                }),
+            )
+        })
         .collect();
     out.sort_unstable();
     out
@@ -510,7 +519,13 @@ pub fn sample_source(g: &Placement, prompts: usize, n: usize, s: usize, dst: usi
     let k = generating_replica(g, prompts, n, s);
     let tp = g.tp.max(1);
     let ranks: Vec<usize> = (0..tp)
-        .map(|t| g.device_at(Coords { dp: k, tp: t, pp: 0 }) as usize)
+        .map(|t| {
+            g.device_at(Coords {
+                dp: k,
+                tp: t,
+                pp: 0,
+            }) as usize
+        })
         .collect();
     if ranks.contains(&dst) {
         dst

@@ -17,7 +17,7 @@ impl<'p> Executor<'p> {
     /// sequences as planned: each data-parallel replica of its mesh on its block of the
     /// sequences, in the plan's micro-batches; then every rank gathers every block.
     pub(super) fn infer_call(
-        &self,
+        &mut self,
         id: NodeId,
         op: &Op,
         model: u32,
@@ -32,6 +32,9 @@ impl<'p> Executor<'p> {
             .exec
             .placement(id)
             .ok_or_else(|| Error::invalid("plan", format!("{id} has no placement")))?;
+        if p.pp > 1 {
+            return self.infer_pipelined(id, op, model, seqs, temperature, micro, &p);
+        }
         let mut rows: Vec<Option<PerSampleOut>> = vec![None; seqs.len()];
         if let (Some(c), Some(share)) = (p.coords(self.comm.rank as u64), self.share_of(id)?) {
             let block = comm::sample_block(seqs.len(), p.dp.max(1) as usize, c.dp as usize);
@@ -50,6 +53,65 @@ impl<'p> Executor<'p> {
             if share.leads(self.comm.rank) {
                 for (i, o) in block.zip(out) {
                     rows[i] = Some(o);
+                }
+            }
+        }
+        let rows = stream::gather_rows(&self.comm, rows)?;
+        let rows: Option<Vec<PerSampleOut>> = rows.into_iter().collect();
+        let rows = rows.ok_or_else(|| {
+            Error::invalid("plan", format!("{id}: a replica's results are missing"))
+        })?;
+        Ok(collect_rows(op, rows))
+    }
+
+    /// An inference call through pipeline stages: each replica's lane of stages runs its block
+    /// of the sequences, micro-batch by micro-batch, forward through the stages
+    /// (`Pipeline::forward_all`), and its last stage computes the call's numbers from the final
+    /// hidden states; then every rank gathers every block.
+    #[allow(clippy::too_many_arguments)]
+    fn infer_pipelined(
+        &mut self,
+        id: NodeId,
+        op: &Op,
+        model: u32,
+        seqs: &[Rollout],
+        temperature: f64,
+        micro: usize,
+        p: &braid_ir::exec_plan::Placement,
+    ) -> Result<Val> {
+        let rank = self.comm.rank;
+        let mut rows: Vec<Option<PerSampleOut>> = vec![None; seqs.len()];
+        if let (Some(c), Some(share)) = (p.coords(rank as u64), self.share_of(id)?) {
+            let block = comm::sample_block(seqs.len(), p.dp.max(1) as usize, c.dp as usize);
+            let part = &seqs[block.clone()];
+            let m = self.slots[model as usize].copy(share)?;
+            let pipe = self.infer_pipes.get_mut(&id).ok_or_else(|| {
+                Error::invalid("plan", format!("{id}: rank {rank} has no pipeline stage"))
+            })?;
+            let opts = InferOptions {
+                micro_batch: micro.max(1),
+                temperature: temperature as f32,
+            };
+            let micro_batches: Vec<crate::models::pipeline::MicroBatch> = part
+                .chunks(opts.micro_batch)
+                .map(|chunk| {
+                    let refs: Vec<&Rollout> = chunk.iter().collect();
+                    let (ids, mask) = infer::pad_batch(&refs, 0, m.device());
+                    crate::models::pipeline::MicroBatch { ids, mask }
+                })
+                .collect();
+            if let Some(hidden) = pipe.forward_all(m, &micro_batches)? {
+                let mut it = hidden.into_iter();
+                let mut next = |_: &[&Rollout]| {
+                    it.next().ok_or_else(|| {
+                        Error::invalid("pipeline", "fewer hidden states than micro-batches")
+                    })
+                };
+                let out = infer_per_sample_with(m, op, part, &opts, &mut next)?;
+                if share.leads(rank) {
+                    for (i, o) in block.zip(out) {
+                        rows[i] = Some(o);
+                    }
                 }
             }
         }
@@ -107,16 +169,31 @@ pub(super) fn infer_per_sample(
     seqs: &[Rollout],
     opts: &InferOptions,
 ) -> Result<Vec<PerSampleOut>> {
+    let mut forward = |batch: &[&Rollout]| {
+        let (ids, mask) = infer::pad_batch(batch, 0, model.device());
+        model.hidden_states(&ids, Some(&mask))
+    };
+    infer_per_sample_with(model, op, seqs, opts, &mut forward)
+}
+
+/// [`infer_per_sample`] with each micro-batch's final hidden states from `hidden`.
+pub(super) fn infer_per_sample_with(
+    model: &Model,
+    op: &Op,
+    seqs: &[Rollout],
+    opts: &InferOptions,
+    hidden: &mut infer::HiddenOf<'_>,
+) -> Result<Vec<PerSampleOut>> {
     Ok(match op {
-        Op::Logprobs { .. } => infer::logprobs(model, seqs, opts)?
+        Op::Logprobs { .. } => infer::logprobs_with(model, seqs, opts, hidden)?
             .into_iter()
             .map(PerSampleOut::Tokens)
             .collect(),
-        Op::Values { .. } => infer::values(model, seqs, opts)?
+        Op::Values { .. } => infer::values_with(model, seqs, opts, hidden)?
             .into_iter()
             .map(PerSampleOut::Tokens)
             .collect(),
-        Op::Score { .. } => infer::score(model, seqs, opts)?
+        Op::Score { .. } => infer::score_with(model, seqs, opts, hidden)?
             .into_iter()
             .map(PerSampleOut::Scalar)
             .collect(),

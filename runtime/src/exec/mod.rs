@@ -280,6 +280,8 @@ pub struct Executor<'p> {
     last_samples: Vec<serde_json::Value>,
     /// What this rank ran in the current step and when (seconds from the step's start).
     timeline: Vec<Span>,
+    /// This rank's stage of each inference call that runs through pipeline stages.
+    infer_pipes: BTreeMap<NodeId, crate::models::pipeline::Pipeline>,
 }
 
 impl Executor<'_> {

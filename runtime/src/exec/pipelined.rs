@@ -323,7 +323,8 @@ impl<'p> Executor<'p> {
             // once over the group.
             let tp = seat.tp as f64;
             let weight = |name: &str| {
-                let w = if tied && embed.is_some() && named.get(name).map(|t| t.data_ptr()) == embed {
+                let w = if tied && embed.is_some() && named.get(name).map(|t| t.data_ptr()) == embed
+                {
                     0.5
                 } else {
                     1.0

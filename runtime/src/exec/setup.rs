@@ -63,11 +63,27 @@ impl<'p> Executor<'p> {
                 continue;
             };
             let is_train = matches!(node.op, Op::Train { .. });
-            if p.pp > 1 && !is_train {
+            if p.pp > 1 && matches!(node.op, Op::Generate { .. }) {
                 return Err(Error::invalid(
                     "plan",
                     format!(
-                        "{} runs with pipeline parallelism {}; this runtime runs pipeline parallelism only for `train` calls: plan with `place` pins of `pp 1` for generation and inference",
+                        "{} generates through {} pipeline stages; this runtime generates without pipeline parallelism: plan it with a `place` pin of `pp 1`",
+                        id, p.pp
+                    ),
+                ));
+            }
+            if p.pp > 1
+                && exec
+                    .plan
+                    .graph
+                    .node_ids()
+                    .iter()
+                    .any(|g| exec.streamed(*g).iter().any(|(c, _)| c == id))
+            {
+                return Err(Error::invalid(
+                    "plan",
+                    format!(
+                        "{} streams under generation through {} pipeline stages; this runtime streams only calls without pipeline parallelism (the planner does not stream them)",
                         id, p.pp
                     ),
                 ));
@@ -172,10 +188,7 @@ impl<'p> Executor<'p> {
             // The generation replica: the generation's share, in the model's dtype, with the
             // values of that share's copy.
             let mut replica = None;
-            let replica_share = replicas
-                .get(&(slot, rank))
-                .copied()
-                .unwrap_or(Share::WHOLE);
+            let replica_share = replicas.get(&(slot, rank)).copied().unwrap_or(Share::WHOLE);
             if model.is_some() && replicas.contains_key(&(slot, rank)) {
                 let (m, _) = build_model(plan, i, &options.base_dir, options.device, kind)?;
                 let r = cut(m, replica_share, true)?;
@@ -249,6 +262,7 @@ impl<'p> Executor<'p> {
             first_step: 0,
             last_samples: Vec::new(),
             timeline: Vec::new(),
+            infer_pipes: BTreeMap::new(),
         };
         ex.connect_pipelines()?;
         if ex.options.resume {
@@ -262,6 +276,18 @@ impl<'p> Executor<'p> {
     /// order on every rank (each pipeline's links are groups of its neighbouring stages).
     fn connect_pipelines(&mut self) -> Result<()> {
         for id in self.order.clone() {
+            if let (Some(op), Some(p)) = (
+                self.plan.graph.node(id).map(|n| &n.op),
+                self.exec.placement(id),
+            ) && matches!(
+                op,
+                Op::Logprobs { .. } | Op::Values { .. } | Op::Score { .. }
+            ) && p.pp > 1
+                && !self.reused.contains(&id)
+            {
+                self.connect_inference(id, op.model().unwrap_or(0) as usize, p)?;
+                continue;
+            }
             let (Some(Op::Train { model, .. }), Some(p)) = (
                 self.plan.graph.node(id).map(|n| &n.op),
                 self.exec.placement(id),
@@ -305,6 +331,32 @@ impl<'p> Executor<'p> {
                 slot.pipeline = Some(pipe);
             }
         }
+        Ok(())
+    }
+
+    /// This rank's stage of inference call `id` through pipeline stages (on `p`), if any.
+    fn connect_inference(
+        &mut self,
+        id: NodeId,
+        model: usize,
+        p: &braid_ir::exec_plan::Placement,
+    ) -> Result<()> {
+        let Some(share) = comm::share_at(self.exec, id, self.comm.rank)? else {
+            return Ok(());
+        };
+        let Some(c) = p.coords(self.comm.rank as u64) else {
+            return Ok(());
+        };
+        let lane = comm::lane_ranks(p, &BTreeMap::new(), c.dp, c.tp);
+        let Some(world) = self.comm.world() else {
+            return Err(Error::invalid(
+                "plan",
+                format!("{id} runs through {} pipeline stages in one process", p.pp),
+            ));
+        };
+        let m = self.slots[model].copy(share)?;
+        let pipe = crate::models::pipeline::Pipeline::new(world, &lane, m)?;
+        self.infer_pipes.insert(id, pipe);
         Ok(())
     }
 

@@ -62,12 +62,18 @@ impl<'p> Executor<'p> {
             let replica = coords.dp as usize;
             // The replicas at this tensor rank sum gradients and metrics; the tensor ranks of
             // this replica sum the squares of their gradients for the norm.
-            let group = self
-                .comm
-                .group(&comm::dp_ranks(&p, &comm::seating(self.exec, id)?, coords.tp, 0))?;
+            let group = self.comm.group(&comm::dp_ranks(
+                &p,
+                &comm::seating(self.exec, id)?,
+                coords.tp,
+                0,
+            ))?;
             let tp_group = if p.tp > 1 {
-                self.comm
-                    .group(&comm::replica_ranks(&p, &comm::seating(self.exec, id)?, coords.dp))?
+                self.comm.group(&comm::replica_ranks(
+                    &p,
+                    &comm::seating(self.exec, id)?,
+                    coords.dp,
+                ))?
             } else {
                 None
             };

@@ -117,11 +117,22 @@ fn check(
     Ok(())
 }
 
+/// Where a micro-batch's final hidden states `[B, T, hidden]` (`pad_batch`'s layout, after the
+/// final norm) come from: the whole model's forward, or a pipeline's last stage, which ran
+/// every micro-batch (in order) through the stages before.
+pub type HiddenOf<'a> = dyn FnMut(&[&Rollout]) -> Result<Tensor> + 'a;
+
+/// The whole model's final hidden states of a micro-batch.
+fn forward_hidden(model: &Model) -> impl FnMut(&[&Rollout]) -> Result<Tensor> + '_ {
+    move |batch| {
+        let (ids, mask) = pad_batch(batch, 0, model.device());
+        model.hidden_states(&ids, Some(&mask))
+    }
+}
+
 /// Hidden states `[sum of completion lengths, hidden]` at the positions that predict each
 /// completion token, for one micro-batch, in order.
-fn completion_hidden(model: &Model, batch: &[&Rollout]) -> Result<Tensor> {
-    let (ids, mask) = pad_batch(batch, 0, model.device());
-    let hidden = model.hidden_states(&ids, Some(&mask))?;
+fn completion_hidden(model: &Model, batch: &[&Rollout], hidden: &Tensor) -> Tensor {
     let mut rows = Vec::new();
     let mut cols = Vec::new();
     for (b, r) in batch.iter().enumerate() {
@@ -132,10 +143,10 @@ fn completion_hidden(model: &Model, batch: &[&Rollout]) -> Result<Tensor> {
         }
     }
     let dev = model.device();
-    Ok(hidden.index(&[
+    hidden.index(&[
         Some(Tensor::from_slice(&rows).to_device(dev)),
         Some(Tensor::from_slice(&cols).to_device(dev)),
-    ]))
+    ])
 }
 
 fn split(flat: Vec<f32>, batch: &[&Rollout], out: &mut Vec<Vec<f32>>) {
@@ -155,6 +166,17 @@ fn host(t: &Tensor) -> Result<Vec<f32>> {
 /// Log-probability of each completion token under `model` (a language model), computed as
 /// `log_softmax(logits / temperature)`.
 pub fn logprobs(model: &Model, seqs: &[Rollout], options: &InferOptions) -> Result<Vec<Vec<f32>>> {
+    logprobs_with(model, seqs, options, &mut forward_hidden(model))
+}
+
+/// [`logprobs`] with each micro-batch's hidden states from `hidden` (called for every
+/// micro-batch, in order).
+pub fn logprobs_with(
+    model: &Model,
+    seqs: &[Rollout],
+    options: &InferOptions,
+    hidden: &mut HiddenOf<'_>,
+) -> Result<Vec<Vec<f32>>> {
     check(model, seqs, options, Head::Lm, "logprobs")?;
     let mut out = Vec::with_capacity(seqs.len());
     for chunk in seqs.chunks(options.micro_batch) {
@@ -164,10 +186,11 @@ pub fn logprobs(model: &Model, seqs: &[Rollout], options: &InferOptions) -> Resu
             .flat_map(|r| r.completion.iter().copied())
             .collect();
         let flat = tch::no_grad(|| {
+            let h = hidden(&batch)?;
             if targets.is_empty() {
                 return Ok(Vec::new());
             }
-            let h = completion_hidden(model, &batch)?;
+            let h = completion_hidden(model, &batch, &h);
             let t = Tensor::from_slice(&targets);
             let (lp, _) = model.token_logprobs(&h, &t, f64::from(options.temperature), false)?;
             host(&lp)
@@ -179,14 +202,25 @@ pub fn logprobs(model: &Model, seqs: &[Rollout], options: &InferOptions) -> Resu
 
 /// The critic's value at each completion token (read where that token is predicted).
 pub fn values(critic: &Model, seqs: &[Rollout], options: &InferOptions) -> Result<Vec<Vec<f32>>> {
+    values_with(critic, seqs, options, &mut forward_hidden(critic))
+}
+
+/// [`values`] with each micro-batch's hidden states from `hidden`.
+pub fn values_with(
+    critic: &Model,
+    seqs: &[Rollout],
+    options: &InferOptions,
+    hidden: &mut HiddenOf<'_>,
+) -> Result<Vec<Vec<f32>>> {
     check(critic, seqs, options, Head::Value, "values")?;
     let mut out = Vec::with_capacity(seqs.len());
     for chunk in seqs.chunks(options.micro_batch) {
         let batch: Vec<&Rollout> = chunk.iter().collect();
         let any = batch.iter().any(|r| !r.completion.is_empty());
         let flat = tch::no_grad(|| {
+            let h = hidden(&batch)?;
             if any {
-                host(&critic.apply_head(&completion_hidden(critic, &batch)?)?)
+                host(&critic.apply_head(&completion_hidden(critic, &batch, &h))?)
             } else {
                 Ok(Vec::new())
             }
@@ -198,13 +232,22 @@ pub fn values(critic: &Model, seqs: &[Rollout], options: &InferOptions) -> Resul
 
 /// The reward model's score of each sequence, read at its last token (label 0).
 pub fn score(rm: &Model, seqs: &[Rollout], options: &InferOptions) -> Result<Vec<f32>> {
+    score_with(rm, seqs, options, &mut forward_hidden(rm))
+}
+
+/// [`score`] with each micro-batch's hidden states from `hidden`.
+pub fn score_with(
+    rm: &Model,
+    seqs: &[Rollout],
+    options: &InferOptions,
+    hidden: &mut HiddenOf<'_>,
+) -> Result<Vec<f32>> {
     check(rm, seqs, options, Head::Score, "score")?;
     let mut out = Vec::with_capacity(seqs.len());
     for chunk in seqs.chunks(options.micro_batch) {
         let batch: Vec<&Rollout> = chunk.iter().collect();
         let flat = tch::no_grad(|| {
-            let (ids, mask) = pad_batch(&batch, 0, rm.device());
-            let hidden = rm.hidden_states(&ids, Some(&mask))?;
+            let hidden = hidden(&batch)?;
             let dev = rm.device();
             let rows = Tensor::arange(batch.len() as i64, (Kind::Int64, dev));
             let last: Vec<i64> = batch.iter().map(|r| r.len() as i64 - 1).collect();

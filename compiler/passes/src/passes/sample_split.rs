@@ -118,6 +118,21 @@ impl Pass for SampleSplit {
             a.decisions.streams.insert(id, s);
         }
         let placements = estimate::placements(a);
+        // A call through pipeline stages runs once its whole batch is there: the runtime
+        // streams only calls whose replicas are single stages.
+        for (id, s) in a.decisions.streams.iter_mut() {
+            if let Some(p) = placements.get(id)
+                && p.pp > 1
+                && s.cut == Cut::Sample
+            {
+                s.cut = Cut::Batch;
+                s.chunk = 0;
+                s.why = format!(
+                    "runs through {} pipeline stages, which do not stream: waits for the whole batch",
+                    p.pp
+                );
+            }
+        }
         // Every simulation below runs on the plan as the later passes will leave it (fused
         // training, reshards and offloads), which the streaming decisions do not change.
         let base = crate::passes::completed(a, a.will_run("microbatch-interleave"))?;

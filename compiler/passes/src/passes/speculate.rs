@@ -210,7 +210,9 @@ impl Pass for Speculate {
                 _ => Speculation::Off,
             };
             let why = if matches!(run, Speculation::Ngram { .. }) && !pinned {
-                format!("{why}; n-gram drafts of at most {longest} tokens, fixed under tensor parallelism (its ranks must agree on every step)")
+                format!(
+                    "{why}; n-gram drafts of at most {longest} tokens, fixed under tensor parallelism (its ranks must agree on every step)"
+                )
             } else {
                 why
             };
