@@ -282,6 +282,17 @@ fn execute(args: &Args) -> Result<(), Fail> {
             eprintln!("streaming under {}: {}", call(g), list.join(", "));
         }
     }
+    for (g, m) in &plan.decisions.migrations {
+        if lead {
+            // Said, not silently skipped: the plan decided it, this runtime does not do it yet.
+            eprintln!(
+                "note: the plan migrates {}'s last {} samples onto {} instance(s); this runtime does not migrate yet (every instance finishes its own samples)",
+                call(*g),
+                m.threshold,
+                m.to_instances
+            );
+        }
+    }
     for rm in ex.retokenizing_models() {
         eprintln!(
             "reward model `{rm}` has its own tokenizer: it scores each rollout's decoded text, re-tokenised"

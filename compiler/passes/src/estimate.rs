@@ -242,8 +242,8 @@ pub fn fits(a: &Annotated, id: NodeId, p: &Placement) -> bool {
 
 /// Every layout of call `id` on `count` devices starting at 0 (tensor-parallel degrees are
 /// powers of two inside a node that divide the heads and the feed-forward width; pipeline
-/// degrees divide the layers; generation runs without pipeline stages: the layouts the runtime
-/// runs), with its micro-batch choices. Not filtered by
+/// degrees divide the layers; generation, and inference that may stream under it, run without
+/// pipeline stages: the layouts the runtime runs), with its micro-batch choices. Not filtered by
 /// memory. Deterministic order.
 pub fn layout_options(a: &Annotated, id: NodeId, count: u64) -> Vec<Placement> {
     let (Some(node), Some(size)) = (a.plan.graph.node(id), call_size(a, id)) else {
@@ -253,6 +253,9 @@ pub fn layout_options(a: &Annotated, id: NodeId, count: u64) -> Vec<Placement> {
         return Vec::new();
     };
     let is_gen = matches!(node.op, Op::Generate { .. });
+    // Generation runs without pipeline stages, and so does an inference call that may stream
+    // under it (the runtime streams single-stage replicas only).
+    let single_stage = is_gen || streamable(a, id);
     let per_node = a.cluster.per_node.max(1);
     let mut out = Vec::new();
     let mut tp = 1u64;
@@ -263,7 +266,7 @@ pub fn layout_options(a: &Annotated, id: NodeId, count: u64) -> Vec<Placement> {
             && count.is_multiple_of(tp)
         {
             for pp in 1..=shape.layers.min(count / tp) {
-                if (is_gen && pp > 1)
+                if (single_stage && pp > 1)
                     || !shape.layers.is_multiple_of(pp)
                     || !count.is_multiple_of(tp * pp)
                 {

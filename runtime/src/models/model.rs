@@ -645,19 +645,27 @@ impl Model {
     /// The layers pipeline stage `stage` of `stages` runs: `stage·L/stages ..
     /// (stage+1)·L/stages`, as the planner splits them (`braid_ir::transfer`).
     pub fn stage_layers(&self, stage: usize, stages: usize) -> Result<std::ops::Range<usize>> {
-        let layers = self.num_layers();
-        if stages == 0 || stage >= stages || !layers.is_multiple_of(stages) {
-            return Err(Error::invalid(
-                "pipeline parallelism",
-                format!(
-                    "{layers} layers do not split into {stages} equal stages (pp must divide the layer count)"
-                ),
-            ));
-        }
-        let per = layers / stages;
-        Ok(stage * per..(stage + 1) * per)
+        stage_range(self.num_layers(), stage, stages)
     }
+}
 
+/// The layers pipeline stage `stage` of `stages` runs of a model with `layers` layers (see
+/// `Model::stage_layers`); refuses a split into unequal stages. What the planner's layouts must
+/// meet.
+pub fn stage_range(layers: usize, stage: usize, stages: usize) -> Result<std::ops::Range<usize>> {
+    if stages == 0 || stage >= stages || !layers.is_multiple_of(stages) {
+        return Err(Error::invalid(
+            "pipeline parallelism",
+            format!(
+                "{layers} layers do not split into {stages} equal stages (pp must divide the layer count)"
+            ),
+        ));
+    }
+    let per = layers / stages;
+    Ok(stage * per..(stage + 1) * per)
+}
+
+impl Model {
     /// Whether pipeline stage `stage` of `stages` keeps parameter `name`: its layers'; the
     /// embedding on the first stage (and the last, when tied to the head); the final norm and
     /// the head on the last; GPT-2's position embedding on the first.

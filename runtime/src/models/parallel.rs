@@ -42,6 +42,36 @@ pub(crate) enum Cut {
     Vocab,
 }
 
+/// Whether tensor parallelism over `n` ranks can cut a model of `config`: `n` must divide its
+/// attention heads and its feed-forward width (key/value heads are split when it divides them
+/// and kept whole otherwise; the vocabulary is padded). What the planner's layouts must meet.
+pub fn check_split(config: &ModelConfig, n: i64) -> Result<()> {
+    let c = config;
+    let what = "tensor parallelism";
+    if n < 1 {
+        return Err(Error::invalid(what, "needs at least one rank"));
+    }
+    if c.num_heads % n != 0 {
+        return Err(Error::invalid(
+            what,
+            format!(
+                "{} attention heads do not split over {n} ranks (tp must divide the head count)",
+                c.num_heads
+            ),
+        ));
+    }
+    if c.intermediate_size % n != 0 {
+        return Err(Error::invalid(
+            what,
+            format!(
+                "a feed-forward width of {} does not split over {n} ranks",
+                c.intermediate_size
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// A model's tensor-parallel state: its group and the sizes of its local slices.
 pub(crate) struct Shard {
     pub comm: Arc<TensorParallel>,
@@ -63,30 +93,12 @@ pub(crate) struct Shard {
 
 impl Shard {
     /// The layout of `config` on `comm`; refuses a model whose heads or feed-forward width the
-    /// group does not divide.
+    /// group does not divide (`check_split`).
     pub fn new(config: &ModelConfig, comm: Arc<TensorParallel>, device: Device) -> Result<Shard> {
         let n = comm.size() as i64;
         let r = comm.rank() as i64;
         let c = config;
-        let what = "tensor parallelism";
-        if c.num_heads % n != 0 {
-            return Err(Error::invalid(
-                what,
-                format!(
-                    "{} attention heads do not split over {n} ranks (tp must divide the head count)",
-                    c.num_heads
-                ),
-            ));
-        }
-        if c.intermediate_size % n != 0 {
-            return Err(Error::invalid(
-                what,
-                format!(
-                    "a feed-forward width of {} does not split over {n} ranks",
-                    c.intermediate_size
-                ),
-            ));
-        }
+        check_split(c, n)?;
         let heads = c.num_heads / n;
         let kv_split = c.num_kv_heads % n == 0;
         let (kv_heads, kv_map) = if kv_split {
