@@ -211,8 +211,24 @@ impl Slot {
         })
     }
 
-    /// The copy `c` of the model.
+    /// The copy `c` of the model, which must hold its weights (not released since its last
+    /// use without a reshard refilling it).
     fn copy(&self, c: Share) -> Result<&Model> {
+        let m = self.copy_any(c)?;
+        if m.is_released() {
+            return Err(Error::invalid(
+                format!("model `{}`", self.spec.name),
+                format!(
+                    "its copy for {} was released after its last use in the iteration and no reshard refilled it",
+                    c.describe()
+                ),
+            ));
+        }
+        Ok(m)
+    }
+
+    /// The copy `c`, released or not.
+    fn copy_any(&self, c: Share) -> Result<&Model> {
         if c == self.home && self.model.is_some() {
             return self.model();
         }
@@ -282,6 +298,9 @@ pub struct Executor<'p> {
     timeline: Vec<Span>,
     /// This rank's stage of each inference call that runs through pipeline stages.
     infer_pipes: BTreeMap<NodeId, crate::models::pipeline::Pipeline>,
+    /// Per model call: the copies (model, share) whose last use in an iteration it is, released
+    /// after the transfers that follow it (a reshard refills them before their next use).
+    release_after: BTreeMap<NodeId, Vec<(usize, Share)>>,
 }
 
 impl Executor<'_> {
@@ -410,11 +429,18 @@ impl<'p> Executor<'p> {
                         }
                         lengths = rollout.lengths();
                     }
+                    let consumers: Vec<NodeId> = streamed.iter().map(|(n, _)| *n).collect();
                     for (n, v) in streamed {
                         vals.insert(n, v);
                     }
                     vals.insert(id, Val::Rollout(rollout));
                     self.transfers_after(id)?;
+                    self.release_copies(id)?;
+                    // The streamed consumers ran under the generation: their transfers follow.
+                    for c in consumers {
+                        self.transfers_after(c)?;
+                        self.release_copies(c)?;
+                    }
                     continue;
                 }
                 Op::Logprobs { .. } if self.reused.contains(&id) => {
@@ -470,6 +496,20 @@ impl<'p> Executor<'p> {
                     epochs,
                     minibatches,
                 } => {
+                    // The weights this rank holds while it trains, and those released since
+                    // their last use (the copies of other layouts, refilled by reshards).
+                    let (held, freed) = self
+                        .slots
+                        .iter_mut()
+                        .flat_map(|s| s.copies_mut().map(|m| m.weight_bytes()).collect::<Vec<_>>())
+                        .fold((0, 0), |a, b| (a.0 + b.0, a.1 + b.1));
+                    for (k, v) in [
+                        ("memory/weights_mb", held),
+                        ("memory/weights_released_mb", freed),
+                    ] {
+                        let e = m.entry(k.into()).or_insert(0.0);
+                        *e = e.max(v as f64 / 1e6);
+                    }
                     let r = rollout_of(&vals, inputs.first())?;
                     let term = match inputs.get(1).and_then(|n| vals.get(n)) {
                         Some(Val::Loss(t)) => t.clone(),
@@ -568,6 +608,7 @@ impl<'p> Executor<'p> {
                             self.span(step, b.id, "train", a, e);
                             vals.insert(b.id, Val::Unit);
                             self.transfers_after(b.id)?;
+                            self.release_copies(b.id)?;
                         }
                     }
                     *time.entry("train").or_default() += t0.elapsed().as_secs_f64();
@@ -590,6 +631,7 @@ impl<'p> Executor<'p> {
             vals.insert(id, v);
             let t1 = t_step.elapsed().as_secs_f64();
             self.transfers_after(id)?;
+            self.release_copies(id)?;
             let t2 = t_step.elapsed().as_secs_f64();
             if t2 - t1 > 1e-4 {
                 self.span(step, id, "transfer", t1, t2);

@@ -223,7 +223,7 @@ impl<'p> Executor<'p> {
 
     /// The step's metrics on rank 0, from every rank's: a rank reports what it computed (a
     /// training's metrics on its training ranks, identical there after their reductions;
-    /// generation timings on generating ranks). Times are the slowest rank's, generated tokens
+    /// generation timings on generating ranks). Times and memory are the largest rank's, generated tokens
     /// per second the sum over ranks; every other value is the one the lowest rank reporting
     /// it has (every rank computes the same reward and KL from the same gathered values).
     fn gather_metrics(&self, mine: BTreeMap<String, f64>) -> Result<BTreeMap<String, f64>> {
@@ -243,7 +243,10 @@ impl<'p> Executor<'p> {
                     None => {
                         out.insert(k, v);
                     }
-                    Some(x) if k.starts_with("time/") && k != "time/infer_hidden" => {
+                    Some(x)
+                        if (k.starts_with("time/") && k != "time/infer_hidden")
+                            || k.starts_with("memory/") =>
+                    {
                         *x = x.max(v);
                     }
                     Some(x) if k == "tokens_per_s" => *x += v,

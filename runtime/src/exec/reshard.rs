@@ -40,6 +40,20 @@ impl<'p> Executor<'p> {
         Ok(())
     }
 
+    /// Releases the copies whose last use in the iteration is call `id` (after the transfers
+    /// that read them): ReaL frees a layout's parameters once they have moved on.
+    pub(super) fn release_copies(&mut self, id: NodeId) -> Result<()> {
+        let Some(list) = self.release_after.get(&id).cloned() else {
+            return Ok(());
+        };
+        for (m, s) in list {
+            if let Some(v) = self.slots[m].views.get_mut(&s) {
+                v.release()?;
+            }
+        }
+        Ok(())
+    }
+
     /// Runs the reload nodes that serve call `before`, just before it.
     pub(super) fn reloads_before(&mut self, before: NodeId) -> Result<()> {
         let g = &self.plan.graph;
@@ -133,6 +147,8 @@ impl<'p> Executor<'p> {
             let slot = &mut self.slots[model];
             {
                 let m = slot.copy_mut(b)?;
+                // A copy released after its last use gets its storage back, then its values.
+                m.materialize()?;
                 for (s, t) in &out {
                     write_slice(m, s, t)?;
                 }

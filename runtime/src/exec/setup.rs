@@ -263,8 +263,10 @@ impl<'p> Executor<'p> {
             last_samples: Vec::new(),
             timeline: Vec::new(),
             infer_pipes: BTreeMap::new(),
+            release_after: BTreeMap::new(),
         };
         ex.connect_pipelines()?;
+        ex.release_after = ex.last_uses()?;
         if ex.options.resume {
             ex.restore()?;
         }
@@ -332,6 +334,37 @@ impl<'p> Executor<'p> {
             }
         }
         Ok(())
+    }
+
+    /// Per model call, the views (copies other than a model's training copy) whose last use in
+    /// an iteration it is. Every view is refilled by the reshard into it before its next use
+    /// (the planner puts one between any two calls of a model in different layouts, and one
+    /// back to the first call for the next iteration); a view that is not makes its next call
+    /// an error instead of running on freed weights.
+    fn last_uses(&self) -> Result<BTreeMap<NodeId, Vec<(usize, Share)>>> {
+        let mut last: BTreeMap<(usize, Share), NodeId> = BTreeMap::new();
+        for id in &self.order {
+            let Some(node) = self.plan.graph.node(*id) else {
+                continue;
+            };
+            let (Some(m), true) = (node.op.model(), node.op.is_model_call()) else {
+                continue;
+            };
+            if self.reused.contains(id) {
+                continue;
+            }
+            let Some(share) = self.share_of(*id)? else {
+                continue;
+            };
+            if self.slots[m as usize].views.contains_key(&share) {
+                last.insert((m as usize, share), *id);
+            }
+        }
+        let mut out: BTreeMap<NodeId, Vec<(usize, Share)>> = BTreeMap::new();
+        for (k, id) in last {
+            out.entry(id).or_default().push(k);
+        }
+        Ok(out)
     }
 
     /// This rank's stage of inference call `id` through pipeline stages (on `p`), if any.

@@ -202,6 +202,12 @@ impl<'p> Executor<'p> {
         let Some(tok) = tok else {
             return Err(Error::invalid("plan", format!("{id}: no model {model}")));
         };
+        if gen_model.as_ref().is_some_and(|m| m.is_released()) {
+            return Err(Error::invalid(
+                "plan",
+                format!("{id}: its model's copy was released and no reshard refilled it"),
+            ));
+        }
         if !mine.is_empty() && gen_model.is_none() {
             return Err(Error::invalid(
                 "plan",
@@ -303,6 +309,12 @@ impl<'p> Executor<'p> {
                 else {
                     return Err(Error::invalid("plan", format!("{c}: model busy")));
                 };
+                if mm.is_released() {
+                    return Err(Error::invalid(
+                        "plan",
+                        format!("{c}: its model's copy was released and no reshard refilled it"),
+                    ));
+                }
                 let seqs = sequences(
                     retokenize.contains(&c),
                     mtok,

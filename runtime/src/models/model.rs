@@ -165,6 +165,8 @@ pub struct Model {
     /// Pipeline parallelism: the stage this model keeps the parameters of, of how many
     /// (`Model::retain_stage`); `None` when it holds every layer.
     stage: Option<(usize, usize)>,
+    /// The shapes of the parameters `release` freed, until `materialize` allocates them again.
+    released: Option<Vec<(String, Vec<i64>)>>,
 }
 
 /// Collects parameters while the model is built, so that they can be filled afterwards.
@@ -606,6 +608,7 @@ impl Model {
             fused_attention: std::sync::atomic::AtomicBool::new(device.is_cuda()),
             shard: None,
             stage: None,
+            released: None,
         })
     }
 
@@ -706,6 +709,69 @@ impl Model {
         })?;
         self.stage = Some((stage, stages));
         Ok(())
+    }
+
+    /// Frees the storage of every parameter this rank holds (their tensors become empty),
+    /// remembering their shapes: a copy of a model in a layout used only part of an iteration
+    /// (ReaL frees a source layout after its reshard). [`Model::materialize`] allocates them
+    /// again, before a reshard writes their values; until then the model must not run.
+    pub fn release(&mut self) -> Result<()> {
+        if self.released.is_some() {
+            return Ok(());
+        }
+        let mut shapes = Vec::new();
+        tch::no_grad(|| -> Result<()> {
+            for (name, var) in self.held_parameters() {
+                shapes.push((name, var.size()));
+                let empty = Tensor::f_empty([0], (var.kind(), var.device()))?;
+                let mut v = var.shallow_clone();
+                v.set_data(&empty);
+            }
+            Ok(())
+        })?;
+        self.released = Some(shapes);
+        Ok(())
+    }
+
+    /// Bytes of the parameters this rank holds, and of those `release` freed.
+    pub fn weight_bytes(&self) -> (usize, usize) {
+        let held = self
+            .held_parameters()
+            .iter()
+            .map(|(_, t)| t.numel() * t.kind().elt_size_in_bytes())
+            .sum();
+        let freed = self.released.as_ref().map_or(0, |v| {
+            v.iter()
+                .map(|(_, size)| {
+                    size.iter().product::<i64>().max(0) as usize * self.kind.elt_size_in_bytes()
+                })
+                .sum()
+        });
+        (held, freed)
+    }
+
+    /// Whether `release` freed the parameters (and `materialize` has not run since).
+    pub fn is_released(&self) -> bool {
+        self.released.is_some()
+    }
+
+    /// Allocates the parameters `release` freed, zeroed, in their dtype on the model's device.
+    pub fn materialize(&mut self) -> Result<()> {
+        let Some(shapes) = self.released.take() else {
+            return Ok(());
+        };
+        let vars: std::collections::BTreeMap<String, Tensor> =
+            self.named_parameters().into_iter().collect();
+        tch::no_grad(|| -> Result<()> {
+            for (name, size) in shapes {
+                if let Some(var) = vars.get(&name) {
+                    let t = Tensor::f_zeros(&size, (var.kind(), self.device))?;
+                    let mut v = var.shallow_clone();
+                    v.set_data(&t);
+                }
+            }
+            Ok(())
+        })
     }
 
     /// The pipeline stage this model keeps (`retain_stage`) and the number of stages, or
@@ -1784,6 +1850,48 @@ mod tests {
                 "{name}: non-finite gradient"
             );
         }
+    }
+
+    #[test]
+    fn a_released_model_frees_its_weights_and_takes_them_back() {
+        crate::device::set_cpu_threads(1);
+        let (mut m, _) = tiny(&TinyConfig::default(), Head::Lm, Device::Cpu).unwrap();
+        let (src, _) = tiny(&TinyConfig::default(), Head::Lm, Device::Cpu).unwrap();
+        let ids = Tensor::from_slice(&[256i64, 72, 105, 33]).reshape([1, 4]);
+        let before = tch::no_grad(|| m.forward(&ids, None)).unwrap();
+        let (held, freed) = m.weight_bytes();
+        assert!(held > 0 && freed == 0);
+        m.release().unwrap();
+        assert!(m.is_released());
+        assert_eq!(
+            m.weight_bytes(),
+            (0, held),
+            "every byte freed, its size kept"
+        );
+        m.materialize().unwrap();
+        assert!(!m.is_released());
+        assert_eq!(m.weight_bytes(), (held, 0));
+        let zero = m
+            .held_parameters()
+            .iter()
+            .all(|(_, t)| t.abs().sum(Kind::Float).double_value(&[]) == 0.0);
+        assert!(
+            zero,
+            "materialized storage is zeroed until a reshard fills it"
+        );
+        let from: std::collections::BTreeMap<String, Tensor> =
+            src.named_parameters().into_iter().collect();
+        tch::no_grad(|| {
+            for (name, t) in m.held_parameters() {
+                t.shallow_clone().copy_(&from[&name]);
+            }
+        });
+        let after = tch::no_grad(|| m.forward(&ids, None)).unwrap();
+        assert_eq!(
+            (before - after).abs().max().double_value(&[]),
+            0.0,
+            "the layers read the refilled storage"
+        );
     }
 
     #[test]
