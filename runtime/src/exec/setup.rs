@@ -105,20 +105,8 @@ impl<'p> Executor<'p> {
                 ));
             }
         }
-        if let Some((id, p)) = exec
-            .decisions
-            .subtask_placements
-            .iter()
-            .find(|(_, p)| p.tp > 1 || p.pp > 1)
-        {
-            return Err(Error::invalid(
-                "plan",
-                format!(
-                    "a subtask of {id} runs with tensor parallelism {} and pipeline parallelism {}; this runtime runs subtasks data-parallel only",
-                    p.tp, p.pp
-                ),
-            ));
-        }
+        // Subtask placements belong to long-tail migration, which this runtime does not run
+        // yet (`braid run` says so at start); every instance finishes its own samples.
         // The generation replicas (a copy to generate on while streamed inference uses the
         // model's own), and the groups of every tensor-parallel copy, on every rank alike.
         let replicas = generation_replicas(exec, world)?;
