@@ -309,7 +309,11 @@ fn comparable(m: &[serde_json::Map<String, serde_json::Value>]) -> Vec<Vec<(Stri
     m.iter()
         .map(|line| {
             line.iter()
-                .filter(|(k, _)| !k.starts_with("time/") && *k != "tokens_per_s")
+                // Timings, and the weights a layout holds (a generation replica when streaming),
+                // are not results.
+                .filter(|(k, _)| {
+                    !k.starts_with("time/") && !k.starts_with("memory/") && *k != "tokens_per_s"
+                })
                 .map(|(k, v)| (k.clone(), v.to_string()))
                 .collect()
         })
