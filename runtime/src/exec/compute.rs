@@ -56,12 +56,7 @@ impl<'p> Executor<'p> {
                 }
             }
         }
-        let rows = stream::gather_rows(&self.comm, rows)?;
-        let rows: Option<Vec<PerSampleOut>> = rows.into_iter().collect();
-        let rows = rows.ok_or_else(|| {
-            Error::invalid("plan", format!("{id}: a replica's results are missing"))
-        })?;
-        Ok(collect_rows(op, rows))
+        self.gathered(id, op, rows)
     }
 
     /// An inference call through pipeline stages: each replica's lane of stages runs its block
@@ -115,6 +110,11 @@ impl<'p> Executor<'p> {
                 }
             }
         }
+        self.gathered(id, op, rows)
+    }
+
+    /// Every replica's rows of inference call `id`, gathered onto every rank, as its value.
+    fn gathered(&self, id: NodeId, op: &Op, rows: Vec<Option<PerSampleOut>>) -> Result<Val> {
         let rows = stream::gather_rows(&self.comm, rows)?;
         let rows: Option<Vec<PerSampleOut>> = rows.into_iter().collect();
         let rows = rows.ok_or_else(|| {
