@@ -64,6 +64,18 @@ pub struct Args {
     /// directory for its latest) on the run's `eval` prompts, print the metrics and exit.
     #[arg(long, value_name = "CHECKPOINT", conflicts_with_all = ["resume", "steps"])]
     eval_only: Option<PathBuf>,
+    /// Make every training generation follow this output-length distribution, for benchmarks
+    /// of streaming and migration on small models: `fixed:N`, `uniform:A..B`,
+    /// `lognormal:MU,SIGMA[,MAX]` or a histogram file, as for `braid sim`. Each sample holds
+    /// back end-of-sequence tokens until its drawn length (at most max_new_tokens); a program
+    /// is also planned with it. Give it again with --resume.
+    #[arg(long, value_name = "SPEC")]
+    gen_lengths: Option<String>,
+    /// How migrated samples travel: `kv` (with their KV cache) or `prefill` (prefilled again
+    /// where they land); by default, whichever the cost model finds faster on the plan's
+    /// devices.
+    #[arg(long, value_name = "HOW", value_parser = ["kv", "prefill"])]
+    migrate_with: Option<String>,
 }
 
 struct Fail(String, u8);
@@ -124,9 +136,14 @@ fn this_world(world: &World) -> (braid_runtime::Device, ClusterSpec) {
 /// runtime refuses a plan for another world) and returns its executable plan.
 fn compile(file: &Path, args: &Args, world: ClusterSpec) -> Result<ExecPlan, Fail> {
     let name = file.display().to_string();
+    let lengths = match &args.gen_lengths {
+        Some(spec) => Some(gen_lengths(spec)?),
+        None => None,
+    };
     let options = braid_driver::Options {
         default_cluster: Some(world),
         fuse_off: args.no_fuse,
+        lengths,
         ..braid_driver::Options::default()
     };
     let compiled = crate::plan::compile(file, &options, true, &mut |_, _| {})
@@ -134,6 +151,11 @@ fn compile(file: &Path, args: &Args, world: ClusterSpec) -> Result<ExecPlan, Fai
     let plan = crate::plan::exec_plan(&compiled, file)
         .ok_or_else(|| Fail(format!("{name}: the program did not plan"), 1))?;
     Ok(plan)
+}
+
+/// A `--gen-lengths` spec.
+fn gen_lengths(spec: &str) -> Result<braid_cost::sim::LengthDist, Fail> {
+    crate::plan::lengths(spec).map_err(|e| Fail(format!("--gen-lengths: {e}"), 2))
 }
 
 fn execute(args: &Args) -> Result<(), Fail> {
@@ -254,10 +276,29 @@ fn execute(args: &Args) -> Result<(), Fail> {
             world: launched.clone(),
             timeout: Duration::from_secs(args.dist_timeout.max(1)),
         }),
+        gen_lengths: match &args.gen_lengths {
+            Some(spec) => Some(gen_lengths(spec)?),
+            None => None,
+        },
+        migrate_kv: args.migrate_with.as_deref().map(|w| w == "kv"),
+        tail_tuner: tail_tuner(&plan),
     };
     if lead {
-        for note in speculation_notes(&plan) {
-            eprintln!("{note}");
+        if args.gen_lengths.is_some() {
+            if plan
+                .decisions
+                .speculation
+                .values()
+                .any(|d| !d.pinned && d.run != braid_ir::graph::Speculation::Off)
+            {
+                eprintln!(
+                    "note: --gen-lengths imposes output lengths; the planner's speculative decoding is off for this run"
+                );
+            }
+        } else {
+            for note in speculation_notes(&plan) {
+                eprintln!("{note}");
+            }
         }
     }
     let mut ex = Executor::new(&plan, options).map_err(runtime_err)?;
@@ -283,10 +324,25 @@ fn execute(args: &Args) -> Result<(), Fail> {
         }
     }
     for (g, m) in &plan.decisions.migrations {
-        if lead {
-            // Said, not silently skipped: the plan decided it, this runtime does not do it yet.
+        if !lead {
+            break;
+        }
+        if braid_runtime::exec::migrates(&plan, *g) {
+            let how = if m.pinned {
+                "pinned by `migrate below`"
+            } else {
+                "re-chosen each iteration from the lengths observed"
+            };
             eprintln!(
-                "note: the plan migrates {}'s last {} samples onto {} instance(s); this runtime does not migrate yet (every instance finishes its own samples)",
+                "migrating {}'s tail: its last {} samples onto {} instance(s) at first ({how})",
+                call(*g),
+                m.threshold,
+                m.to_instances
+            );
+        } else {
+            // Said, not silently skipped: the plan decided it, this runtime does not do it.
+            eprintln!(
+                "note: the plan migrates {}'s last {} samples onto {} instance(s); this runtime migrates only generations whose replicas are single ranks (not tensor-parallel ones): every instance finishes its own samples",
                 call(*g),
                 m.threshold,
                 m.to_instances
@@ -467,6 +523,9 @@ fn eval_only(
         checkpoint_every: None,
         device,
         dist: None,
+        gen_lengths: None,
+        migrate_kv: None,
+        tail_tuner: None,
     };
     let mut ex = Executor::new(plan, options).map_err(runtime_err)?;
     ex.load_trained(&dir).map_err(runtime_err)?;
@@ -525,4 +584,18 @@ fn clock(secs: f64) -> String {
     } else {
         format!("{}m{:02}s", s / 60, s % 60)
     }
+}
+
+/// Re-chooses each migrating generation's `R_t` and kept instances from the lengths the last
+/// iteration produced, by simulating the plan with them (`retune_migration`).
+fn tail_tuner(plan: &ExecPlan) -> Option<braid_runtime::exec::TailTuner> {
+    if plan.decisions.migrations.is_empty() {
+        return None;
+    }
+    let a = braid_passes::annotated::Annotated::from_exec_plan(plan);
+    Some(braid_runtime::exec::TailTuner(std::sync::Arc::new(
+        move |generate, lengths, max_kept| {
+            braid_passes::passes::sample_split::retune_migration(&a, generate, lengths, max_kept)
+        },
+    )))
 }

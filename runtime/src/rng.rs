@@ -38,6 +38,17 @@ impl Rng {
         Rng { state: c }
     }
 
+    /// The generator's state: [`Rng::from_state`] continues the same stream (a sample that
+    /// migrates to another engine carries its generator this way).
+    pub fn state(&self) -> u64 {
+        self.state
+    }
+
+    /// The generator whose state is `state`.
+    pub fn from_state(state: u64) -> Self {
+        Rng { state }
+    }
+
     /// The next 64 random bits.
     pub fn next_u64(&mut self) -> u64 {
         self.state = self.state.wrapping_add(0x9e37_79b9_7f4a_7c15);

@@ -172,6 +172,10 @@ pub struct MigrationDecision {
     /// Every candidate threshold with its simulated mean iteration time (seconds).
     pub candidates: Vec<(u64, f64)>,
     pub why: String,
+    /// Pinned by `migrate below`: the runtime keeps it instead of re-choosing it from the
+    /// lengths it observes.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub pinned: bool,
 }
 
 /// `microbatch-interleave`'s fused schedule of two `train` calls sharing devices.

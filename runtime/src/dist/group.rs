@@ -236,6 +236,12 @@ impl ProcessGroup {
         )
     }
 
+    /// The store this group meets in (without its key prefix): for counters the ranks share
+    /// outside collectives.
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
     /// Ends a run in order, on every rank of the world group: a barrier, then this process's
     /// heartbeat stops and marks it exited, and rank 0, whose process hosts the store, waits
     /// (up to the timeout) until every other rank has done so before closing it. Dropping the

@@ -50,6 +50,11 @@ pub(super) struct Comm {
     /// Per (model, share, generation replica): the group of a tensor-parallel copy this rank
     /// holds, one per copy (copies are used by different threads).
     tps: BTreeMap<TpCopy, ProcessGroup>,
+    /// Per (generate, this rank, peer): the group of two a migrating tail travels on between
+    /// a kept and a released replica (`tail_pairs`).
+    tails: BTreeMap<(NodeId, usize, usize), ProcessGroup>,
+    /// A connection of its own to the run's store, for the generation threads' counters.
+    counter: Option<crate::dist::Store>,
 }
 
 /// A tensor-parallel copy of a model: (model, share, whether it is the generation replica).
@@ -65,6 +70,8 @@ impl Comm {
             meshes: BTreeMap::new(),
             streams: BTreeMap::new(),
             tps: BTreeMap::new(),
+            tails: BTreeMap::new(),
+            counter: None,
         }
     }
 
@@ -87,6 +94,8 @@ impl Comm {
             meshes: BTreeMap::new(),
             streams: BTreeMap::new(),
             tps: BTreeMap::new(),
+            tails: BTreeMap::new(),
+            counter: None,
         };
         for members in mesh_groups(exec) {
             if members.contains(&comm.rank) {
@@ -106,6 +115,17 @@ impl Comm {
                 let g = world.subgroup(&members)?;
                 comm.tps.insert(*key, g);
             }
+        }
+        let pairs = tail_pairs(exec);
+        for &(generate, kept, released) in &pairs {
+            if comm.rank == kept || comm.rank == released {
+                let g = world.subgroup(&[kept, released])?;
+                let peer = if comm.rank == kept { released } else { kept };
+                comm.tails.insert((generate, comm.rank, peer), g);
+            }
+        }
+        if !pairs.is_empty() {
+            comm.counter = Some(world.store().reconnect()?);
         }
         comm.world = Some(world);
         Ok(comm)
@@ -191,6 +211,34 @@ impl Comm {
         self.streams.insert((generate, src, dst), g);
     }
 
+    /// Takes the group of two between this rank and `peer` that generation `generate`'s
+    /// migrating tail travels on, for the generation thread.
+    pub(super) fn take_tail(
+        &mut self,
+        generate: NodeId,
+        rank: usize,
+        peer: usize,
+    ) -> Result<ProcessGroup> {
+        self.tails.remove(&(generate, rank, peer)).ok_or_else(|| {
+            Error::invalid(
+                "plan",
+                format!("rank {rank}: no migration group with rank {peer} for {generate}"),
+            )
+        })
+    }
+
+    /// Gives a migration group back after the generation thread ended.
+    pub(super) fn put_tail(&mut self, generate: NodeId, rank: usize, peer: usize, g: ProcessGroup) {
+        self.tails.insert((generate, rank, peer), g);
+    }
+
+    /// The store connection for migration counters.
+    pub(super) fn counter(&self) -> Result<crate::dist::Store> {
+        self.counter
+            .clone()
+            .ok_or_else(|| Error::invalid("plan", "this run has no migration counter"))
+    }
+
     /// Every rank's `mine`, by rank.
     pub(super) fn all_gather_bytes(&self, mine: Vec<u8>) -> Result<Vec<Vec<u8>>> {
         let Some(world) = &self.world else {
@@ -211,6 +259,7 @@ impl Comm {
         self.meshes.clear();
         self.streams.clear();
         self.tps.clear();
+        self.tails.clear();
         if let Some(world) = self.world.take() {
             world.shutdown()?;
         }
@@ -608,6 +657,49 @@ pub fn stream_pairs(exec: &ExecPlan) -> Vec<(NodeId, usize, usize)> {
         }
         pairs.sort_unstable();
         out.extend(pairs.into_iter().map(|(s, d)| (id, s, d)));
+    }
+    out
+}
+
+/// Whether the runtime migrates generation `generate`'s tail: the plan decided it, and each of
+/// its data-parallel replicas is one rank (the runtime does not migrate tensor-parallel
+/// replicas' samples).
+pub fn migrates(exec: &ExecPlan, generate: NodeId) -> bool {
+    exec.decisions.migrations.contains_key(&generate)
+        && exec
+            .placement(generate)
+            .is_some_and(|p| p.tp <= 1 && p.pp <= 1 && p.dp >= 2)
+}
+
+/// Per `generate` whose tail the runtime migrates, the (kept, released) pairs of ranks its
+/// samples may travel between: for every number of kept instances from 1 to the plan's (the
+/// runtime re-chooses it), released replica `r` pairs with kept replica `r mod kept`. In plan
+/// order, each pair once.
+pub fn tail_pairs(exec: &ExecPlan) -> Vec<(NodeId, usize, usize)> {
+    let g = &exec.plan.graph;
+    let mut out = Vec::new();
+    for id in g.topo_order().unwrap_or_else(|| g.node_ids()) {
+        let (Some(gp), Some(m)) = (exec.placement(id), exec.decisions.migrations.get(&id)) else {
+            continue;
+        };
+        if !migrates(exec, id) {
+            continue;
+        }
+        let dp = gp.dp as usize;
+        let mut pairs = Vec::new();
+        for kept in 1..=(m.to_instances as usize).min(dp - 1) {
+            for r in kept..dp {
+                let pair = (
+                    replica_tp_ranks(gp, r % kept)[0],
+                    replica_tp_ranks(gp, r)[0],
+                );
+                if !pairs.contains(&pair) {
+                    pairs.push(pair);
+                }
+            }
+        }
+        pairs.sort_unstable();
+        out.extend(pairs.into_iter().map(|(k, r)| (id, k, r)));
     }
     out
 }

@@ -35,7 +35,9 @@ use tch::{Device, Kind, Tensor};
 
 use crate::error::{Error, Result};
 use crate::exec::data::{Dataset, Record};
-use crate::generation::engine::{EngineOptions, FinishReason, Sample, generate_stream};
+use crate::generation::engine::{
+    EngineOptions, FinishReason, Sample, TargetLengths, generate_stream,
+};
 use crate::generation::sampling::SamplingParams;
 use crate::generation::spec::SpeculateMode;
 use crate::models::model::{Head, LoadOptions, Model};
@@ -51,6 +53,7 @@ mod comm;
 mod compute;
 pub mod data;
 mod eval;
+mod migrate;
 mod pipelined;
 pub mod realloc;
 mod record;
@@ -63,7 +66,9 @@ mod train;
 mod values;
 
 use comm::Comm;
-pub use comm::{DistOptions, all_gather_bytes, mesh_groups, prompt_block, stream_pairs};
+pub use comm::{
+    DistOptions, all_gather_bytes, mesh_groups, migrates, prompt_block, stream_pairs, tail_pairs,
+};
 use compute::*;
 pub use record::fingerprint;
 use record::*;
@@ -90,6 +95,52 @@ pub struct RunOptions {
     pub device: Device,
     /// The world of a multi-process run (`None`: one process).
     pub dist: Option<DistOptions>,
+    /// Output lengths imposed on every training generation, for benchmarks (`braid run
+    /// --gen-lengths`): each sample ends at a length drawn from this distribution.
+    pub gen_lengths: Option<braid_cost::sim::LengthDist>,
+    /// How migrated samples travel: with their KV cache (`Some(true)`), prefilled again where
+    /// they land (`Some(false)`), or as the cost model prefers for the plan's devices (`None`).
+    pub migrate_kv: Option<bool>,
+    /// Re-chooses a migrating generation's threshold and kept instances from the lengths its
+    /// last iteration produced (`None`: the plan's choice throughout).
+    pub tail_tuner: Option<TailTuner>,
+}
+
+/// Chooses long-tail migration from observed output lengths: called with the generation, the
+/// lengths of every sample of its last iteration and the most instances it may keep (the
+/// plan's); returns the threshold and instances to keep, or `None` where streaming without
+/// migration is faster. Every rank calls it with the same arguments and must get the same
+/// answer (the binary simulates the plan: a deterministic computation).
+#[derive(Clone)]
+pub struct TailTuner(pub Arc<TailTunerFn>);
+
+/// What a [`TailTuner`] calls.
+pub type TailTunerFn =
+    dyn Fn(NodeId, &[u64], u64) -> std::result::Result<Option<(u64, u64)>, String> + Send + Sync;
+
+impl std::fmt::Debug for TailTuner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("TailTuner")
+    }
+}
+
+/// A generation's long-tail migration as the run goes: the plan's choice, then what the
+/// observed lengths choose (unless `migrate below` pinned it).
+#[derive(Clone, Debug)]
+pub(super) struct TailState {
+    /// This iteration's choice (`None`: it does not migrate).
+    pub(super) current: Option<TailChoice>,
+    pub(super) planned: TailChoice,
+    pub(super) pinned: bool,
+    /// Started samples travel with their KV cache (else they are prefilled again).
+    pub(super) kv: bool,
+}
+
+/// Migrate when no more than `threshold` samples are unfinished, onto `kept` instances.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct TailChoice {
+    pub(super) threshold: u64,
+    pub(super) kept: u64,
 }
 
 /// What the executor reports as it goes.
@@ -301,6 +352,10 @@ pub struct Executor<'p> {
     /// Per model call: the copies (model, share) whose last use in an iteration it is, released
     /// after the transfers that follow it (a reshard refills them before their next use).
     release_after: BTreeMap<NodeId, Vec<(usize, Share)>>,
+    /// Per generation whose plan migrates its tail (and whose replicas are single ranks).
+    tails: BTreeMap<NodeId, TailState>,
+    /// Migrations started so far (each counts its finished samples under a key of its own).
+    tail_round: u64,
 }
 
 impl Executor<'_> {
@@ -419,6 +474,10 @@ impl<'p> Executor<'p> {
                     *time.entry("generate").or_default() += stats.gen_seconds;
                     *time.entry("infer").or_default() += stats.infer_seconds;
                     m.insert("time/infer_hidden".into(), stats.hidden_share());
+                    // Summed over ranks, for the share hidden over the whole world.
+                    m.insert("stream/infer_s".into(), stats.infer_seconds);
+                    m.insert("stream/hidden_s".into(), stats.hidden_seconds);
+                    self.record_tail(step, id, g0, &stats, &rollout, &mut m)?;
                     if Some(id) == self.main_rollout {
                         // This rank's own generation (summed over ranks into the step's).
                         if stats.gen_seconds > 0.0 {

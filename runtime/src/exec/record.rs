@@ -228,6 +228,9 @@ impl<'p> Executor<'p> {
     /// it has (every rank computes the same reward and KL from the same gathered values).
     fn gather_metrics(&self, mine: BTreeMap<String, f64>) -> Result<BTreeMap<String, f64>> {
         if self.comm.is_single() {
+            let mut mine = mine;
+            mine.remove("stream/hidden_s");
+            mine.remove("stream/infer_s");
             return Ok(mine);
         }
         let bytes =
@@ -249,10 +252,28 @@ impl<'p> Executor<'p> {
                     {
                         *x = x.max(v);
                     }
-                    Some(x) if k == "tokens_per_s" => *x += v,
+                    Some(x)
+                        if k == "tokens_per_s"
+                            || k.starts_with("stream/")
+                            || matches!(
+                                k.as_str(),
+                                "migrate/samples" | "migrate/bytes" | "migrate/prefill_tokens"
+                            ) =>
+                    {
+                        *x += v
+                    }
+                    Some(x) if matches!(k.as_str(), "migrate/happened" | "migrate/seconds") => {
+                        *x = x.max(v)
+                    }
                     Some(_) => {}
                 }
             }
+        }
+        // The share of streamed inference hidden under generation, over every rank's.
+        if let (Some(h), Some(i)) = (out.remove("stream/hidden_s"), out.remove("stream/infer_s"))
+            && i > 0.0
+        {
+            out.insert("time/infer_hidden".into(), h / i);
         }
         Ok(out)
     }

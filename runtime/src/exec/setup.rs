@@ -105,8 +105,6 @@ impl<'p> Executor<'p> {
                 ));
             }
         }
-        // Subtask placements belong to long-tail migration, which this runtime does not run
-        // yet (`braid run` says so at start); every instance finishes its own samples.
         // The generation replicas (a copy to generate on while streamed inference uses the
         // model's own), and the groups of every tensor-parallel copy, on every rank alike.
         let replicas = generation_replicas(exec, world)?;
@@ -232,6 +230,23 @@ impl<'p> Executor<'p> {
         }
         let main_rollout = plan.main_rollout();
         let reward_node = plan.reward_node();
+        if options.gen_lengths.is_some()
+            && let Some((id, _)) = exec
+                .decisions
+                .speculation
+                .iter()
+                .find(|(_, d)| d.pinned && d.run != braid_ir::graph::Speculation::Off)
+        {
+            return Err(Error::invalid(
+                "--gen-lengths",
+                format!(
+                    "{id} pins speculative decoding, which imposed lengths do not combine with \
+                     (verification would have to mask end-of-sequence tokens too); drop the \
+                     `speculate` pin or --gen-lengths"
+                ),
+            ));
+        }
+        let options_kv = options.migrate_kv;
         let mut ex = Executor {
             exec,
             plan,
@@ -252,6 +267,8 @@ impl<'p> Executor<'p> {
             timeline: Vec::new(),
             infer_pipes: BTreeMap::new(),
             release_after: BTreeMap::new(),
+            tails: migrate::tail_states(exec, options_kv),
+            tail_round: 0,
         };
         ex.connect_pipelines()?;
         ex.release_after = ex.last_uses()?;

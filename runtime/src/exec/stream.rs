@@ -13,7 +13,9 @@
 
 use super::*;
 use crate::dist::ProcessGroup;
+use braid_ir::exec_plan::Placement;
 use comm::{prompt_block, replica_tp_ranks, sample_block, sample_source};
+use migrate::{Role, Tail, TailGroups, TailStats};
 
 impl<'p> Executor<'p> {
     /// Generates a rollout; the nodes that read it directly run on micro-batches of finished
@@ -143,10 +145,23 @@ impl<'p> Executor<'p> {
             .map(|(c, _, _)| (*c, vec![None; total]))
             .collect();
         let engine = EngineOptions {
-            speculate: SpeculateMode::from_plan(&self.exec.speculation(id), &self.options.base_dir),
+            // Imposed lengths mask end-of-sequence tokens, which draft verification does not:
+            // the planner's speculation is off under them (`braid run` says so, and refuses a
+            // pinned one).
+            speculate: if self.options.gen_lengths.is_some() {
+                SpeculateMode::Off
+            } else {
+                SpeculateMode::from_plan(&self.exec.speculation(id), &self.options.base_dir)
+            },
             first_prompt: mine.start,
+            lengths: self
+                .options
+                .gen_lengths
+                .clone()
+                .map(|dist| TargetLengths { dist, seed }),
             ..EngineOptions::default()
         };
+        let mut tail = self.tail(id, &gp, prompts, total)?;
         // The groups the samples travel on, one per direction and peer, each for one thread.
         let mut send_groups = Vec::new();
         for &dst in dests.keys() {
@@ -229,6 +244,7 @@ impl<'p> Executor<'p> {
         let (tx, rx) = mpsc::channel::<Result<(usize, Sample)>>();
         // Samples this rank generates that other ranks need go to one sending thread per peer.
         let mut out_tx: BTreeMap<usize, mpsc::Sender<(usize, Arc<Sample>)>> = BTreeMap::new();
+        let mut tail_groups: TailGroups = Vec::new();
         let result: Result<(Peers, Peers)> = std::thread::scope(|scope| {
             let mut senders = Vec::new();
             for (dst, group) in send_groups {
@@ -253,27 +269,17 @@ impl<'p> Executor<'p> {
                 let tx = tx.clone();
                 let prompts_part = prompt_ids[mine.clone()].to_vec();
                 let sampling = sampling.clone();
-                let first = mine.start;
-                scope.spawn(move || -> f64 {
+                let tail = tail.take();
+                scope.spawn(move || -> (f64, TailStats, TailGroups) {
                     crate::device::set_cpu_threads(threads);
                     let m: &Model = gm;
-                    match generate_stream(m, tok, prompts_part, sampling, engine) {
-                        Ok(stream) => {
-                            for item in stream {
-                                let item = item.map(|mut s| {
-                                    s.prompt_index += first;
-                                    (s.prompt_index * n + s.sample_index, s)
-                                });
-                                if tx.send(item).is_err() {
-                                    break;
-                                }
-                            }
-                        }
-                        Err(e) => {
-                            let _ = tx.send(Err(e));
-                        }
-                    }
-                    t_gen.elapsed().as_secs_f64()
+                    let out = generate_stream(m, tok, prompts_part, sampling, engine)
+                        .and_then(|g| migrate::run(g, tail, n, &tx, t_gen));
+                    let (ts, groups) = out.unwrap_or_else(|e| {
+                        let _ = tx.send(Err(e));
+                        (TailStats::default(), Vec::new())
+                    });
+                    (t_gen.elapsed().as_secs_f64(), ts, groups)
                 })
             });
             drop(tx);
@@ -399,9 +405,14 @@ impl<'p> Executor<'p> {
             // The sending threads end when their samples are sent and their channel closes.
             out_tx.clear();
             let gen_seconds = match generator {
-                Some(h) => h
-                    .join()
-                    .map_err(|_| Error::invalid("generation", "the generation thread panicked"))?,
+                Some(h) => {
+                    let (secs, ts, groups) = h.join().map_err(|_| {
+                        Error::invalid("generation", "the generation thread panicked")
+                    })?;
+                    stats.tail = ts;
+                    tail_groups = groups;
+                    secs
+                }
                 None => 0.0,
             };
             stats.gen_seconds = gen_seconds;
@@ -438,6 +449,9 @@ impl<'p> Executor<'p> {
             Ok((sent, received))
         });
         drop(stream_guard);
+        for (peer, g) in tail_groups {
+            self.comm.put_tail(id, rank, peer, g);
+        }
         let (sent, received) = result?;
 
         for (dst, g) in sent {
@@ -511,6 +525,57 @@ impl<'p> Executor<'p> {
             ));
         }
         Ok((rollout, streamed, stats))
+    }
+
+    /// This rank's part in migrating the tail of generation `id` (on `gp`, `prompts` prompts,
+    /// `total` samples) this iteration, when the current choice migrates it and this rank
+    /// generates: kept replica `k` takes the samples of released replicas `r` with
+    /// `r mod kept = k`.
+    fn tail(
+        &mut self,
+        id: NodeId,
+        gp: &Placement,
+        prompts: usize,
+        total: usize,
+    ) -> Result<Option<Tail>> {
+        let Some(choice) = self.tails.get(&id).cloned() else {
+            return Ok(None);
+        };
+        let Some(ch) = choice.current else {
+            return Ok(None);
+        };
+        let dp = gp.dp.max(1) as usize;
+        let kept = (ch.kept as usize).clamp(1, dp);
+        // Every replica must generate something to take part (a batch of fewer prompts than
+        // replicas leaves some idle: those do not migrate).
+        if kept >= dp || (0..dp).any(|k| prompt_block(prompts, dp, k).is_empty()) {
+            return Ok(None);
+        }
+        let Some(me) = gp.coords(self.comm.rank as u64).map(|c| c.dp as usize) else {
+            return Ok(None);
+        };
+        let rank = self.comm.rank;
+        let rank_of = |k: usize| replica_tp_ranks(gp, k)[0];
+        let role = if me < kept {
+            let mut peers = Vec::new();
+            for r in (kept..dp).filter(|r| r % kept == me) {
+                let pr = rank_of(r);
+                peers.push((pr, self.comm.take_tail(id, rank, pr)?));
+            }
+            Role::Keeps(peers)
+        } else {
+            let to = rank_of(me % kept);
+            Role::Releases(to, self.comm.take_tail(id, rank, to)?)
+        };
+        self.tail_round += 1;
+        Ok(Some(Tail {
+            counter: self.comm.counter()?,
+            key: format!("braid/tail/{}/{id}", self.tail_round),
+            total,
+            threshold: ch.threshold as usize,
+            kv: choice.kv,
+            role,
+        }))
     }
 }
 
@@ -650,6 +715,8 @@ pub(super) struct GenStats {
     pub(super) hidden_seconds: f64,
     /// Each streamed chunk's (start, end), in seconds from the start of generation.
     pub(super) chunks: Vec<(f64, f64)>,
+    /// What long-tail migration did on this rank.
+    pub(super) tail: TailStats,
 }
 
 impl GenStats {

@@ -40,6 +40,7 @@ use crate::models::cache::KvCache;
 use crate::models::model::{Head, Model};
 use crate::models::tokenizer::Tokenizer;
 use crate::rng::Rng;
+use braid_cost::sim::LengthDist;
 
 /// Engine settings that do not change the result's distribution. (Greedy text never changes;
 /// sampled text is the same with `off`, `auto` and `ngram`, and follows the same distribution
@@ -60,6 +61,33 @@ pub struct EngineOptions {
     pub first_prompt: usize,
     /// Where tokens are chosen (default: on a GPU where the model is on one).
     pub sampling: SamplingPlace,
+    /// Lengths to generate, for benchmarks (`braid run --gen-lengths`): each sample draws its
+    /// length from a distribution and the engine holds back end-of-sequence tokens until then
+    /// (`None` by default: the model decides).
+    pub lengths: Option<TargetLengths>,
+}
+
+/// Output lengths the engine imposes: sample `(p, s)` (prompt `p` of the whole batch) draws
+/// its length from `dist` with a generator of its own, derived from `seed`, `p` and `s` only
+/// (so a migrated sample keeps its length); until it has that many tokens the end-of-sequence
+/// tokens are masked out, and then it ends with one. `max_new_tokens` still caps it; without
+/// `stop_at_eos` nothing is imposed.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TargetLengths {
+    pub dist: LengthDist,
+    pub seed: u64,
+}
+
+// The distribution's parameters are finite numbers (`LengthDist::validate`).
+impl Eq for TargetLengths {}
+
+impl TargetLengths {
+    /// The length sample `sample` of prompt `prompt` (of the whole batch) ends at.
+    pub fn of(&self, prompt: usize, sample: usize) -> usize {
+        let stream = (prompt as u64).wrapping_mul(0x1_0000_0001) ^ sample as u64;
+        let mut rng = braid_cost::prng::Rng::new(crate::rng::derive(self.seed, stream));
+        self.dist.sample(&mut rng).max(1) as usize
+    }
 }
 
 /// Where the engine chooses tokens from the logits.
@@ -84,6 +112,7 @@ impl Default for EngineOptions {
             draft_len: None,
             sampling: SamplingPlace::Auto,
             first_prompt: 0,
+            lengths: None,
         }
     }
 }
@@ -135,6 +164,39 @@ struct Running {
     ngram: Option<NgramIndex>,
     /// How often this sample's drafts are accepted.
     acceptance: Acceptance,
+    /// The length `EngineOptions::lengths` imposes.
+    target: Option<usize>,
+}
+
+/// A sample that leaves one engine unfinished to continue on another (long-tail migration,
+/// sample reallocation): everything its next token depends on, so that it continues exactly
+/// as it would have where it was. Its KV cache travels with it, or is rebuilt by a prefill of
+/// the prompt and the tokens so far where it lands (`kv: None`).
+#[derive(Debug)]
+pub struct Migrant {
+    /// The prompt's index in the whole batch (what its random stream is drawn from).
+    pub batch_index: usize,
+    pub sample_index: usize,
+    pub prompt: Vec<i64>,
+    pub tokens: Vec<i64>,
+    pub logprobs: Vec<f32>,
+    /// Its generator's state (`Rng::state`).
+    pub rng: u64,
+    /// Keys and values of its cache row, `[kv_heads, len, head_dim]` per layer; `len` is the
+    /// prompt and every token but the last (which the next step feeds).
+    pub kv: Option<(Vec<Tensor>, Vec<Tensor>)>,
+}
+
+impl Migrant {
+    /// Bytes its KV cache takes (0 without one).
+    pub fn kv_bytes(&self) -> usize {
+        self.kv.as_ref().map_or(0, |(k, v)| {
+            k.iter()
+                .chain(v)
+                .map(|t| t.numel() * t.kind().elt_size_in_bytes())
+                .sum()
+        })
+    }
 }
 
 /// How drafts are made.
@@ -258,6 +320,11 @@ pub struct Generation<'m> {
     steps: Vec<StepRecord>,
     /// Tokens are chosen on the model's device (`EngineOptions::sampling`).
     on_device: bool,
+    /// Per prompt here, its index in the whole batch (the prompts given, from
+    /// `first_prompt`, then those of adopted migrants).
+    origin: Vec<usize>,
+    /// Adopted samples waiting for a free row.
+    parked: VecDeque<Migrant>,
 }
 
 /// Starts generating `params.n` samples for each prompt (token ids). Nothing runs until the
@@ -316,12 +383,29 @@ pub fn generate_stream<'m>(
     } else {
         Vec::new()
     };
+    if options.lengths.is_some() && options.speculate != SpeculateMode::Off {
+        return Err(Error::invalid(
+            "speculate",
+            "imposed output lengths (`--gen-lengths`) and speculative decoding do not combine: \
+             verification would have to mask end-of-sequence tokens too; turn one of them off",
+        ));
+    }
+    if let Some(t) = &options.lengths {
+        t.dist
+            .validate()
+            .map_err(|e| Error::invalid("gen-lengths", e.0))?;
+    }
     let spec = Speculator::new(&options, model, tokenizer)?;
-    let on_device = match options.sampling {
-        SamplingPlace::Auto => model.device().is_cuda(),
-        SamplingPlace::Host => false,
-        SamplingPlace::Device => true,
-    };
+    // Imposed lengths mask the logits on the host.
+    let on_device = options.lengths.is_none()
+        && match options.sampling {
+            SamplingPlace::Auto => model.device().is_cuda(),
+            SamplingPlace::Host => false,
+            SamplingPlace::Device => true,
+        };
+    let origin = (0..prompts.len())
+        .map(|p| options.first_prompt + p)
+        .collect();
     Ok(Generation {
         model,
         tokenizer,
@@ -338,6 +422,8 @@ pub fn generate_stream<'m>(
         spec,
         steps: Vec::new(),
         on_device,
+        origin,
+        parked: VecDeque::new(),
     })
 }
 
@@ -428,6 +514,22 @@ fn draws<'a>(greedy: bool, runs: impl Iterator<Item = &'a mut Running>) -> Vec<f
     runs.map(|run| run.rng.uniform()).collect()
 }
 
+/// The model's log-probability of `token` under the sampling temperature, over the whole
+/// vocabulary (what a token forced or sampled from masked logits is scored with).
+fn model_logprob(logits: &[f32], params: &SamplingParams, token: i64) -> f32 {
+    let t = params.logprob_temperature().max(1e-6);
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let lse = logits
+        .iter()
+        .map(|&x| ((x - max) / t).exp())
+        .sum::<f32>()
+        .ln();
+    usize::try_from(token)
+        .ok()
+        .and_then(|i| logits.get(i))
+        .map_or(f32::NEG_INFINITY, |&x| (x - max) / t - lse)
+}
+
 /// Copies logits `[rows, V]` to the host as one flat vector of `rows × V` values.
 fn to_host(logits: &Tensor) -> Result<Vec<f32>> {
     let flat = logits
@@ -438,9 +540,253 @@ fn to_host(logits: &Tensor) -> Result<Vec<f32>> {
 }
 
 impl Generation<'_> {
-    /// Samples not finished yet (running or waiting).
+    /// Samples not finished yet (running, waiting or adopted and parked).
     pub fn pending(&self) -> usize {
-        self.running.len() + self.waiting.len()
+        self.running.len() + self.waiting.len() + self.parked.len()
+    }
+
+    /// The index in the whole batch of prompt `local` of this generation (a `Sample`'s
+    /// `prompt_index`): `first_prompt + local` for the prompts given, an adopted migrant's own
+    /// for the prompts that came with migrants.
+    pub fn batch_index(&self, local: usize) -> usize {
+        self.origin.get(local).copied().unwrap_or(local)
+    }
+
+    /// The shape of this generation's KV cache rows: layers, key/value heads, head width and
+    /// element type (what a migrant's cache must have to land here).
+    pub fn kv_layout(&self) -> (usize, i64, i64, Kind) {
+        let (layers, heads, dim) = self.cache.layout();
+        (layers, heads, dim, self.cache.kind())
+    }
+
+    /// Runs one step (admission, then one decode step of every running sample) and returns
+    /// the samples that finished in it; nothing when nothing is pending.
+    pub fn step(&mut self) -> Result<Vec<Sample>> {
+        if self.failed {
+            return Err(Error::invalid("generation", "an earlier step failed"));
+        }
+        if !self.running.is_empty() || !self.waiting.is_empty() || !self.parked.is_empty() {
+            if let Err(e) = self.advance() {
+                self.failed = true;
+                return Err(e);
+            }
+        }
+        Ok(self.done.drain(..).collect())
+    }
+
+    fn advance(&mut self) -> Result<()> {
+        self.admit()?;
+        if self.running.is_empty() {
+            Ok(())
+        } else {
+            self.decode_step()
+        }
+    }
+
+    /// Hands over every unfinished sample (running, waiting, parked) and leaves this
+    /// generation empty; with `kv` a running sample takes its cache row along, else the
+    /// engine it lands on prefills its prompt and tokens again. Samples already finished and
+    /// not yet yielded stay. A draft model's cache does not migrate: generations with a draft
+    /// model refuse.
+    pub fn release(&mut self, kv: bool) -> Result<Vec<Migrant>> {
+        if matches!(
+            self.spec.as_ref().map(|sp| &sp.drafter),
+            Some(Drafter::Model { .. })
+        ) {
+            return Err(Error::invalid(
+                "migration",
+                "a generation that drafts with a draft model does not migrate (its cache would \
+                 have to move too)",
+            ));
+        }
+        let mut out: Vec<Migrant> = self.parked.drain(..).collect();
+        let running = std::mem::take(&mut self.running);
+        for (row, run) in running.into_iter().enumerate() {
+            out.push(Migrant {
+                batch_index: self.batch_index(run.prompt),
+                sample_index: run.sample,
+                prompt: self.prompts[run.prompt].clone(),
+                tokens: run.tokens,
+                logprobs: run.logprobs,
+                rng: run.rng.state(),
+                kv: if kv {
+                    Some(self.cache.row_parts(row)?)
+                } else {
+                    None
+                },
+            });
+        }
+        self.cache = self.model.new_cache(0);
+        for (p, s) in std::mem::take(&mut self.waiting) {
+            let batch_index = self.batch_index(p);
+            out.push(Migrant {
+                batch_index,
+                sample_index: s,
+                prompt: self.prompts[p].clone(),
+                tokens: Vec::new(),
+                logprobs: Vec::new(),
+                rng: Rng::for_sample(self.params.seed, batch_index, s).state(),
+                kv: None,
+            });
+        }
+        self.prefilled.clear();
+        Ok(out)
+    }
+
+    /// Takes samples another engine released ([`Generation::release`]): they continue here
+    /// with their own generators, as free rows allow.
+    pub fn adopt(&mut self, migrants: Vec<Migrant>) -> Result<()> {
+        let max_len = self.model.config().max_position_embeddings;
+        for m in &migrants {
+            let what = format!(
+                "migrated sample {} of prompt {}",
+                m.sample_index, m.batch_index
+            );
+            if m.prompt.is_empty() || (m.prompt.len() + m.tokens.len()) as i64 >= max_len {
+                return Err(Error::invalid(
+                    what,
+                    "has no prompt, or more tokens than the model takes",
+                ));
+            }
+            if m.sample_index >= self.params.n || m.tokens.len() != m.logprobs.len() {
+                return Err(Error::invalid(
+                    what,
+                    "does not match this generation's request",
+                ));
+            }
+            self.model.check_ids(&m.prompt, &what)?;
+            self.model.check_ids(&m.tokens, &what)?;
+        }
+        self.parked.extend(migrants);
+        Ok(())
+    }
+
+    /// The prompt here of a migrant's prompt (added when this generation does not have it).
+    fn local_prompt(&mut self, batch_index: usize, prompt: &[i64]) -> usize {
+        if let Some(p) = self
+            .origin
+            .iter()
+            .position(|&o| o == batch_index)
+            .filter(|&p| self.prompts[p] == prompt)
+        {
+            return p;
+        }
+        self.prompts.push(prompt.to_vec());
+        self.origin.push(batch_index);
+        self.prompts.len() - 1
+    }
+
+    /// Moves parked migrants into free rows: a fresh one waits for its prefill like any
+    /// sample; a started one gets its cache row, carried along or prefilled again (prompt
+    /// and every token but the last, in one right-padded batch).
+    fn admit_parked(&mut self) -> Result<()> {
+        let mut free = self.options.max_batch.saturating_sub(self.running.len());
+        let mut refill: Vec<Running> = Vec::new();
+        while free > 0 {
+            let Some(m) = self.parked.pop_front() else {
+                break;
+            };
+            let p = self.local_prompt(m.batch_index, &m.prompt);
+            if m.tokens.is_empty() {
+                self.waiting.push_back((p, m.sample_index));
+                continue;
+            }
+            free -= 1;
+            let run = self.resumed(p, &m);
+            match m.kv {
+                Some((keys, values)) => {
+                    let row = self.cache.row_from_parts(keys, values)?;
+                    let want = (m.prompt.len() + m.tokens.len() - 1) as i64;
+                    if row.lens()[0] != want {
+                        return Err(Error::invalid(
+                            "a migrated sample's KV cache",
+                            format!("holds {} positions, its text {want}", row.lens()[0]),
+                        ));
+                    }
+                    self.cache.push_rows(&row, &[0]);
+                    self.running.push(run);
+                }
+                None => refill.push(run),
+            }
+        }
+        if refill.is_empty() {
+            return Ok(());
+        }
+        let feeds: Vec<Vec<i64>> = refill
+            .iter()
+            .map(|r| {
+                let mut f = self.prompts[r.prompt].clone();
+                f.extend_from_slice(&r.tokens[..r.tokens.len() - 1]);
+                f
+            })
+            .collect();
+        let lens: Vec<i64> = feeds.iter().map(|f| f.len() as i64).collect();
+        let t = lens.iter().copied().max().unwrap_or(1);
+        let mut ids = Vec::with_capacity(feeds.len() * t as usize);
+        for f in &feeds {
+            ids.extend_from_slice(f);
+            ids.extend(std::iter::repeat_n(0, t as usize - f.len()));
+        }
+        let ids = Tensor::from_slice(&ids).reshape([feeds.len() as i64, t]);
+        let mut cache = self.model.new_cache(feeds.len());
+        let _ = self.model.forward_cached(&mut cache, &ids, &lens)?;
+        let rows: Vec<usize> = (0..feeds.len()).collect();
+        self.cache.push_rows(&cache, &rows);
+        self.running.extend(refill);
+        Ok(())
+    }
+
+    /// The running state of a started migrant at prompt `p` here.
+    fn resumed(&self, p: usize, m: &Migrant) -> Running {
+        let room =
+            (self.model.config().max_position_embeddings as usize).saturating_sub(m.prompt.len());
+        let ngram = match self.spec.as_ref().map(|sp| &sp.drafter) {
+            Some(Drafter::Ngram) => {
+                let mut ix = NgramIndex::new(&m.prompt);
+                for &t in &m.tokens {
+                    ix.push(t);
+                }
+                Some(ix)
+            }
+            _ => None,
+        };
+        Running {
+            prompt: p,
+            sample: m.sample_index,
+            rng: Rng::from_state(m.rng),
+            tokens: m.tokens.clone(),
+            logprobs: m.logprobs.clone(),
+            budget: self.params.max_new_tokens.min(room),
+            ngram,
+            acceptance: Acceptance::default(),
+            target: self
+                .options
+                .lengths
+                .as_ref()
+                .map(|t| t.of(m.batch_index, m.sample_index)),
+        }
+    }
+
+    /// The next token of `run` from its logits (host values): sampled, or with imposed
+    /// lengths sampled without the end-of-sequence tokens until the sample's length, then an
+    /// end-of-sequence token (its log-probability the model's).
+    fn choose(&self, logits: &[f32], run: &mut Running) -> (i64, f32) {
+        let (Some(target), Some(&eos)) = (run.target, self.eos.first()) else {
+            return sample_token(logits, &self.params, &mut run.rng);
+        };
+        if run.tokens.len() + 1 >= target {
+            // One draw per token whatever happens, as for any other token.
+            let _ = run.rng.uniform();
+            return (eos, model_logprob(logits, &self.params, eos));
+        }
+        let mut masked = logits.to_vec();
+        for &e in &self.eos {
+            if let Some(x) = usize::try_from(e).ok().and_then(|i| masked.get_mut(i)) {
+                *x = f32::NEG_INFINITY;
+            }
+        }
+        let (tok, _) = sample_token(&masked, &self.params, &mut run.rng);
+        (tok, model_logprob(logits, &self.params, tok))
     }
 
     /// Prefills the prompts in `prompts` (indices) in right-padded batches.
@@ -508,6 +854,7 @@ impl Generation<'_> {
 
     /// Fills free rows with waiting samples.
     fn admit(&mut self) -> Result<()> {
+        self.admit_parked()?;
         loop {
             let free = self.options.max_batch.saturating_sub(self.running.len());
             if free == 0 || self.waiting.is_empty() {
@@ -548,10 +895,12 @@ impl Generation<'_> {
                     Some(Drafter::Ngram) => Some(NgramIndex::new(&self.prompts[p])),
                     _ => None,
                 };
+                let batch_index = self.batch_index(p);
                 let run = Running {
                     prompt: p,
                     sample: s,
-                    rng: Rng::for_sample(self.params.seed, self.options.first_prompt + p, s),
+                    target: self.options.lengths.as_ref().map(|t| t.of(batch_index, s)),
+                    rng: Rng::for_sample(self.params.seed, batch_index, s),
                     tokens: Vec::new(),
                     logprobs: Vec::new(),
                     budget: self.params.max_new_tokens.min(room),
@@ -593,8 +942,8 @@ impl Generation<'_> {
             let mut out = Vec::with_capacity(admitted.len());
             for (b, r, run) in admitted.iter_mut() {
                 let chosen = match &self.prefilled[*b].rows[*r].1 {
-                    RowLogits::Host(logits) => sample_token(logits, &self.params, &mut run.rng),
-                    RowLogits::Device(t) => sample_token(&to_host(t)?, &self.params, &mut run.rng),
+                    RowLogits::Host(logits) => self.choose(logits, run),
+                    RowLogits::Device(t) => self.choose(&to_host(t)?, run),
                 };
                 out.push(chosen);
             }
@@ -757,7 +1106,7 @@ impl Generation<'_> {
             let out = if let Some(s) = &sampled {
                 vec![s[i]]
             } else if d.is_empty() {
-                vec![sample_token(target, &self.params, &mut run.rng)]
+                vec![self.choose(target, &mut run)]
             } else if with_model && !self.params.greedy {
                 spec::verify_sampled(
                     target,
@@ -972,17 +1321,13 @@ impl Iterator for Generation<'_> {
             if let Some(s) = self.done.pop_front() {
                 return Some(Ok(s));
             }
-            if self.failed || (self.running.is_empty() && self.waiting.is_empty()) {
+            if self.failed {
                 return None;
             }
-            let step = self.admit().and_then(|()| {
-                if self.running.is_empty() {
-                    Ok(())
-                } else {
-                    self.decode_step()
-                }
-            });
-            if let Err(e) = step {
+            if self.running.is_empty() && self.waiting.is_empty() && self.parked.is_empty() {
+                return None;
+            }
+            if let Err(e) = self.advance() {
                 // A device error leaves the cache in an unknown state: end the stream.
                 self.failed = true;
                 return Some(Err(e));

@@ -127,6 +127,66 @@ impl KvCache {
         self.lens = keep.iter().map(|&r| self.lens[r]).collect();
     }
 
+    /// Row `row`'s valid keys and values, one `[kv_heads, len, head_dim]` tensor per layer
+    /// each: what a migrated sample carries to another engine.
+    pub fn row_parts(&self, row: usize) -> Result<(Vec<Tensor>, Vec<Tensor>)> {
+        let Some(&len) = self.lens.get(row) else {
+            return Err(Error::invalid(
+                "KvCache::row_parts",
+                format!("no row {row}"),
+            ));
+        };
+        let part = |t: &Tensor| t.get(row as i64).narrow(1, 0, len).contiguous();
+        Ok((
+            self.keys.iter().map(part).collect(),
+            self.values.iter().map(part).collect(),
+        ))
+    }
+
+    /// A one-row cache holding `keys` and `values` (one `[kv_heads, len, head_dim]` tensor per
+    /// layer each, as [`KvCache::row_parts`] gives them), for a model whose caches have this
+    /// one's layers, heads and kind: a migrated sample's row, ready for [`KvCache::push_rows`].
+    pub fn row_from_parts(&self, keys: Vec<Tensor>, values: Vec<Tensor>) -> Result<KvCache> {
+        let bad = |what: String| Err(Error::invalid("a migrated sample's KV cache", what));
+        if keys.len() != self.keys.len() || values.len() != self.values.len() {
+            return bad(format!(
+                "{} layers of keys and {} of values, the model has {}",
+                keys.len(),
+                values.len(),
+                self.keys.len()
+            ));
+        }
+        let len = keys
+            .first()
+            .map_or(0, |k| k.size().get(1).copied().unwrap_or(0));
+        for t in keys.iter().chain(&values) {
+            if t.size() != [self.kv_heads, len, self.head_dim] {
+                return bad(format!(
+                    "a layer of shape {:?}, expected [{}, {len}, {}]",
+                    t.size(),
+                    self.kv_heads,
+                    self.head_dim
+                ));
+            }
+        }
+        let up = |t: Tensor| t.to_kind(self.kind).to_device(self.device).unsqueeze(0);
+        Ok(KvCache {
+            keys: keys.into_iter().map(up).collect(),
+            values: values.into_iter().map(up).collect(),
+            lens: vec![len],
+            capacity: len,
+            kv_heads: self.kv_heads,
+            head_dim: self.head_dim,
+            kind: self.kind,
+            device: self.device,
+        })
+    }
+
+    /// Layers, key/value heads and the head width.
+    pub fn layout(&self) -> (usize, i64, i64) {
+        (self.keys.len(), self.kv_heads, self.head_dim)
+    }
+
     /// Appends copies of rows of `src` (a row may be listed several times: the `n` samples of a
     /// prompt share one prefill this way).
     pub fn push_rows(&mut self, src: &KvCache, src_rows: &[usize]) {

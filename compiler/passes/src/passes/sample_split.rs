@@ -166,14 +166,7 @@ impl Pass for SampleSplit {
             let samples = size.samples;
             let candidates: Vec<u64> = match a.pins.migrate_below {
                 Some(frac) => vec![((samples as f64 * frac).ceil() as u64).max(1)],
-                None => {
-                    let mut v: Vec<u64> = [64u64, 32, 16, 8, 4, 2]
-                        .iter()
-                        .map(|d| (samples / d).max(1))
-                        .collect();
-                    v.dedup();
-                    v
-                }
+                None => threshold_candidates(samples),
             };
             // How many instances keep the tail: fewer free more devices for the streaming
             // consumers, more keep the tail's batch (and KV reads) per instance small. Chosen
@@ -263,6 +256,7 @@ impl Pass for SampleSplit {
                         to_instances,
                         candidates: Vec::new(),
                         why: String::new(),
+                        pinned: false,
                     },
                 );
                 let (dag, tasks) = to_dag(&probe, true).map_err(PassError)?;
@@ -303,6 +297,7 @@ impl Pass for SampleSplit {
                     to_instances,
                     candidates: results,
                     why,
+                    pinned: a.pins.migrate_below.is_some(),
                 },
             );
             // Keep migration (and the moved subtasks) only if it beats streaming without it.
@@ -589,6 +584,104 @@ fn subtask_placement(
         pp: p.pp,
         microbatches: per.div_ceil(chunk).max(1),
     })
+}
+
+/// The thresholds `R_t` tried for a generation of `samples` samples: 1/64 to 1/2 of them.
+pub fn threshold_candidates(samples: u64) -> Vec<u64> {
+    let mut v: Vec<u64> = [64u64, 32, 16, 8, 4, 2]
+        .iter()
+        .map(|d| (samples / d).max(1))
+        .collect();
+    v.dedup();
+    v
+}
+
+/// Re-chooses generation `generate`'s long-tail migration from output lengths observed at run time
+/// (`observed`, one per sample of the last iteration): the threshold from the candidates the
+/// pass tries, and the instances kept from 1 to `max_kept` (the plan's, so that the devices
+/// the plan freed for the streamed consumers stay free), by simulating plan `a` (a completed
+/// plan, as `braid plan --emit` writes it) with the observed lengths in place of the declared
+/// distribution. Returns `(threshold, kept)`, or `None` when streaming without migration
+/// simulates at least as fast. Deterministic: every rank of a run gets the same answer.
+pub fn retune_migration(
+    a: &Annotated,
+    generate: NodeId,
+    observed: &[u64],
+    max_kept: u64,
+) -> Result<Option<(u64, u64)>, String> {
+    let mut counts: std::collections::BTreeMap<u64, u64> = std::collections::BTreeMap::new();
+    for &l in observed {
+        *counts.entry(l.max(1)).or_default() += 1;
+    }
+    if counts.is_empty() {
+        return Err("no lengths were observed".into());
+    }
+    let mut lens = Vec::new();
+    let mut cumulative = Vec::new();
+    let mut total = 0;
+    for (l, c) in counts {
+        total += c;
+        lens.push(l);
+        cumulative.push(total);
+    }
+    let mut base = a.clone();
+    base.workload.lengths = braid_cost::sim::LengthDist::Empirical { lens, cumulative };
+    let placements = estimate::placements(&base);
+    let (Some(gp), Some(size)) = (placements.get(&generate), call_size(&base, generate)) else {
+        return Err(format!("{generate} is not a placed generation"));
+    };
+    let opts = SimOptions {
+        iterations: 2,
+        seed: a.seed,
+    };
+    let candidates = threshold_candidates(size.samples);
+    let usable = base.cost.device.usable_memory();
+    let capacity = estimate::call_memory(&base, generate, gp).map_or(u64::MAX, |m| {
+        let per = size.samples.div_ceil(gp.dp.max(1)).max(1);
+        let per_seq = (m.kv_cache / per).max(1);
+        usable.saturating_sub(m.weights) / per_seq
+    });
+    let mut best: Option<(f64, u64, u64)> = None;
+    for kept in 1..=max_kept.min(gp.dp.saturating_sub(1)) {
+        let fitting: Vec<u64> = candidates
+            .iter()
+            .copied()
+            .filter(|r| r.div_ceil(kept) <= capacity)
+            .collect();
+        let Some(&first) = fitting.first() else {
+            continue;
+        };
+        let mut probe = base.clone();
+        probe.decisions.migrations.insert(
+            generate,
+            MigrationDecision {
+                threshold: first,
+                to_instances: kept,
+                candidates: Vec::new(),
+                why: String::new(),
+                pinned: false,
+            },
+        );
+        let (dag, tasks) = to_dag(&probe, true)?;
+        let Some(&task) = tasks.get(&generate) else {
+            continue;
+        };
+        let (threshold, results) =
+            pick_migration_threshold(&dag, task, &fitting, &opts).map_err(|e| e.0)?;
+        let t = results
+            .iter()
+            .find(|r| r.0 == threshold)
+            .map_or(f64::INFINITY, |r| r.1);
+        if best.is_none_or(|b| t < b.0) {
+            best = Some((t, threshold, kept));
+        }
+    }
+    let mut plain = base.clone();
+    plain.decisions.migrations.remove(&generate);
+    let without = simulated(&plain, &opts).map_err(|e| e.0)?;
+    Ok(best
+        .filter(|b| b.0 < without)
+        .map(|(_, threshold, kept)| (threshold, kept)))
 }
 
 /// `base` (the plan completed by the later passes) with `a`'s streaming decisions.
