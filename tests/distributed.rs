@@ -892,3 +892,150 @@ fn tensor_parallel_generate_prints_what_one_process_does() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// `ppo_tiny` with room for a long tail (32 new tokens), written next to the example (its
+/// reward model's path is relative) for `ranks` CPU ranks with `schedule` appended.
+fn long_tail_program(tag: &str, ranks: usize, schedule: &str) -> std::path::PathBuf {
+    let src = std::fs::read_to_string("examples/ppo_tiny.rlhf").unwrap();
+    let text = src
+        .replace("steps: 80", "steps: 40")
+        .replace("max_new_tokens: 16", "max_new_tokens: 32");
+    let file = Path::new("examples").join(format!(".{tag}-{}.rlhf", std::process::id()));
+    std::fs::write(
+        &file,
+        format!("{text}\ncluster {{ cpus: {ranks} }}\nschedule {{\n  {schedule}\n}}\n"),
+    )
+    .unwrap();
+    file
+}
+
+/// Log-normal output lengths with a long tail (median 9 of at most 32 tokens).
+const LONG_TAIL: &str = "lognormal:2.2,0.7,32";
+
+/// A run whose tail migrated: in every step the kept and released replicas met (the
+/// counter reached `R_t`), samples and bytes moved in some, and streamed inference was partly
+/// hidden; PPO's reward rose over the run.
+fn assert_migrated_and_learned(run: &[serde_json::Map<String, serde_json::Value>]) {
+    assert_eq!(run.len(), 40);
+    for m in run {
+        assert_eq!(num(m, "migrate/happened"), 1.0, "step {}", m["step"]);
+        assert_eq!(num(m, "migrate/threshold"), 4.0, "step {}", m["step"]);
+        let hidden = num(m, "time/infer_hidden");
+        assert!(
+            (0.0..=1.0).contains(&hidden),
+            "step {}: {hidden}",
+            m["step"]
+        );
+    }
+    let moved: f64 = run.iter().map(|m| num(m, "migrate/samples")).sum();
+    let bytes: f64 = run.iter().map(|m| num(m, "migrate/bytes")).sum();
+    assert!(
+        moved >= 10.0 && bytes > 1e4 * moved,
+        "{moved} samples, {bytes} bytes"
+    );
+    assert!(run.iter().any(|m| num(m, "time/infer_hidden") > 0.0));
+    let mean = |r: &[serde_json::Map<String, serde_json::Value>]| {
+        r.iter().map(|l| num(l, "reward_mean")).sum::<f64>() / r.len() as f64
+    };
+    let (first, last) = (mean(&run[..5]), mean(&run[35..]));
+    assert!(
+        last > 1.3 * first,
+        "PPO's reward did not rise: {first} → {last}"
+    );
+}
+
+/// Long-tail migration at run time on 2 ranks: `ppo_tiny` with log-normal output lengths and
+/// `migrate below 25%` hands the last 4 unfinished samples of rank 1 to rank 0 (with their KV
+/// caches), learns, and reports what moved and the share of inference hidden; the same seed
+/// with `migrate off` samples the same texts, as does migrating by re-prefill.
+#[test]
+fn ppo_tiny_migrates_its_long_tail_on_2_ranks_and_samples_the_same_texts() {
+    let dir = tmp("tail2");
+    let on = long_tail_program("tail2-on", 2, "migrate below 25%");
+    let off = long_tail_program("tail2-off", 2, "migrate off");
+    let run = |file: &Path, out: &Path, extra: &[&str]| {
+        let mut args = vec![
+            file.to_str().unwrap(),
+            "--run-dir",
+            out.to_str().unwrap(),
+            "--gen-lengths",
+            LONG_TAIL,
+            "--checkpoint-every",
+            "0",
+        ];
+        args.extend_from_slice(extra);
+        launch_run(2, &args, Duration::from_secs(600))
+    };
+    let (a, b, c) = (dir.join("on"), dir.join("off"), dir.join("prefill"));
+    let on_run = run(&on, &a, &[]);
+    let off_run = run(&off, &b, &["--steps", "3"]);
+    let prefill_run = run(&on, &c, &["--steps", "3", "--migrate-with", "prefill"]);
+    let _ = std::fs::remove_file(&on);
+    let _ = std::fs::remove_file(&off);
+    for (ok, stderr) in [&on_run, &off_run, &prefill_run] {
+        assert!(ok, "{stderr}");
+    }
+    assert!(
+        on_run.1.contains("migrating generate(policy)'s tail"),
+        "{}",
+        on_run.1
+    );
+    let (with, without, refilled) = (metrics(&a), metrics(&b), metrics(&c));
+    assert_migrated_and_learned(&with);
+    assert!(without.iter().all(|m| !m.contains_key("migrate/happened")));
+    assert!(
+        refilled
+            .iter()
+            .any(|m| num(m, "migrate/prefill_tokens") > 0.0)
+    );
+    assert!(refilled.iter().all(|m| num(m, "migrate/kv") == 0.0));
+    // The same texts: lengths and rewards of every step, and every recorded completion.
+    for other in [&without, &refilled] {
+        for (x, y) in with.iter().zip(other.iter()) {
+            assert_eq!(num(x, "response_length"), num(y, "response_length"));
+            assert!(close(num(x, "reward_mean"), num(y, "reward_mean")));
+        }
+    }
+    let texts = |d: &Path| -> Vec<(String, String)> {
+        std::fs::read_to_string(d.join("samples.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+            .filter(|v| v["step"].as_i64().unwrap() <= 3)
+            .map(|v| (v["prompt"].to_string(), v["completion"].to_string()))
+            .collect()
+    };
+    let reference = texts(&a);
+    assert!(!reference.is_empty());
+    assert_eq!(reference, texts(&b));
+    assert_eq!(reference, texts(&c));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The same on 4 ranks: ranks 1–3 release their tails to rank 0 and run the streamed
+/// inference the plan moved onto them; the run learns as on 2 ranks.
+#[test]
+fn ppo_tiny_migrates_its_long_tail_on_4_ranks_and_learns() {
+    let dir = tmp("tail4");
+    let file = long_tail_program("tail4", 4, "migrate below 25%");
+    let out = dir.join("run");
+    let (ok, stderr) = launch_run(
+        4,
+        &[
+            file.to_str().unwrap(),
+            "--run-dir",
+            out.to_str().unwrap(),
+            "--gen-lengths",
+            LONG_TAIL,
+            "--checkpoint-every",
+            "0",
+        ],
+        Duration::from_secs(900),
+    );
+    let _ = std::fs::remove_file(&file);
+    assert!(ok, "{stderr}");
+    let run = metrics(&out);
+    assert_migrated_and_learned(&run);
+    assert!(run.iter().all(|m| num(m, "migrate/kept") == 1.0));
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -379,3 +379,32 @@ fn on_policy_logprobs_are_reused_only_when_exact() {
             .all(|(c, _)| *c != lp)
     );
 }
+
+/// At run time the migration is re-chosen from the lengths an iteration produced: a long tail
+/// keeps it (within the plan's instances), lengths that are all equal have no tail to migrate.
+#[test]
+fn migration_is_rechosen_from_observed_lengths() {
+    let a = planned(ppo_7b(), "2x8xH100", Pins::default());
+    let g = a
+        .calls()
+        .into_iter()
+        .find(|i| a.call_name(*i) == "generate(actor)")
+        .unwrap();
+    let planned_kept = a.decisions.migrations[&g].to_instances;
+    let retune = |lengths: &[u64]| {
+        braid_passes::passes::sample_split::retune_migration(&a, g, lengths, planned_kept).unwrap()
+    };
+    let mut tail = vec![40u64; 120];
+    tail.extend([512u64; 8]);
+    let (threshold, kept) = retune(&tail).expect("a long tail migrates");
+    assert!(
+        kept >= 1 && kept <= planned_kept,
+        "{kept} of {planned_kept}"
+    );
+    assert!((1..=64).contains(&threshold), "{threshold}");
+    assert_eq!(retune(&tail), Some((threshold, kept)), "deterministic");
+    assert_eq!(retune(&[256u64; 128]), None, "no tail, nothing to migrate");
+    assert!(
+        braid_passes::passes::sample_split::retune_migration(&a, g, &[], planned_kept).is_err()
+    );
+}

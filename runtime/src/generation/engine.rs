@@ -1443,6 +1443,175 @@ mod tests {
         }
     }
 
+    /// Generates prompts `[a, b)` of `all` on one engine until `after` steps, releases what is
+    /// unfinished (`kv`: with cache rows), adopts it into an engine generating prompts `[b, ..)`
+    /// and returns every sample of both, by (batch prompt, sample).
+    fn migrated(
+        all: &[Vec<i64>],
+        b: usize,
+        after: usize,
+        kv: bool,
+        max_batch: usize,
+    ) -> Vec<Sample> {
+        let (m, tok) = model();
+        let params = SamplingParams {
+            max_new_tokens: 20,
+            seed: 5,
+            n: 2,
+            stop_at_eos: false,
+            top_k: 40,
+            ..SamplingParams::default()
+        };
+        let opts = |first| EngineOptions {
+            max_batch,
+            first_prompt: first,
+            ..EngineOptions::default()
+        };
+        let mut out = Vec::new();
+        let mut keep = |g: &Generation, s: Vec<Sample>, out: &mut Vec<Sample>| {
+            for mut x in s {
+                x.prompt_index = g.batch_index(x.prompt_index);
+                out.push(x);
+            }
+        };
+        let mut src =
+            generate_stream(&m, &tok, all[..b].to_vec(), params.clone(), opts(0)).unwrap();
+        for _ in 0..after {
+            let done = src.step().unwrap();
+            keep(&src, done, &mut out);
+        }
+        let moving = src.release(kv).unwrap();
+        assert!(
+            moving.iter().any(|x| !x.tokens.is_empty()),
+            "nothing had started"
+        );
+        assert_eq!(src.pending(), 0);
+        assert_eq!(
+            moving.iter().all(|x| x.kv.is_some() || x.tokens.is_empty()),
+            kv
+        );
+        let mut dst = generate_stream(&m, &tok, all[b..].to_vec(), params, opts(b)).unwrap();
+        dst.adopt(moving).unwrap();
+        while dst.pending() > 0 {
+            let done = dst.step().unwrap();
+            keep(&dst, done, &mut out);
+        }
+        out.sort_by_key(|s| (s.prompt_index, s.sample_index));
+        out
+    }
+
+    #[test]
+    fn a_released_sample_continues_its_text_on_another_engine() {
+        crate::device::set_cpu_threads(1);
+        let (m, tok) = model();
+        let all = prompts(&tok, &["one", "two prompts", "three", "four!", "five"]);
+        let params = SamplingParams {
+            max_new_tokens: 20,
+            seed: 5,
+            n: 2,
+            stop_at_eos: false,
+            top_k: 40,
+            ..SamplingParams::default()
+        };
+        let reference = generate(&m, &tok, all.clone(), params, EngineOptions::default()).unwrap();
+        // Migrated with their caches and prefilled again; with a batch of 3 some samples of the
+        // first engine are still waiting (not started) when it releases them.
+        for (kv, max_batch) in [(true, 32), (false, 32), (true, 3), (false, 3)] {
+            let got = migrated(&all, 3, 6, kv, max_batch);
+            assert_eq!(got.len(), reference.len());
+            for (a, b) in reference.iter().zip(&got) {
+                assert_eq!(
+                    (a.prompt_index, a.sample_index, &a.token_ids, &a.text),
+                    (b.prompt_index, b.sample_index, &b.token_ids, &b.text),
+                    "kv {kv}, batch {max_batch}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_migrant_that_does_not_fit_the_model_is_refused() {
+        let (m, tok) = model();
+        let mut g = generate_stream(
+            &m,
+            &tok,
+            prompts(&tok, &["a"]),
+            SamplingParams::default(),
+            EngineOptions::default(),
+        )
+        .unwrap();
+        let bad = Migrant {
+            batch_index: 0,
+            sample_index: 0,
+            prompt: vec![1, 2],
+            tokens: vec![i64::MAX],
+            logprobs: vec![0.0],
+            rng: 0,
+            kv: None,
+        };
+        assert!(g.adopt(vec![bad]).is_err());
+    }
+
+    #[test]
+    fn imposed_lengths_end_each_sample_at_its_drawn_length() {
+        crate::device::set_cpu_threads(1);
+        let (m, tok) = model();
+        let lengths = TargetLengths {
+            dist: LengthDist::Uniform { lo: 2, hi: 30 },
+            seed: 9,
+        };
+        let params = SamplingParams {
+            max_new_tokens: 24,
+            seed: 1,
+            n: 3,
+            ..SamplingParams::default()
+        };
+        assert!(params.stop_at_eos);
+        let out = generate(
+            &m,
+            &tok,
+            prompts(&tok, &["one", "two prompts", "three"]),
+            params,
+            EngineOptions {
+                first_prompt: 4,
+                lengths: Some(lengths.clone()),
+                ..EngineOptions::default()
+            },
+        )
+        .unwrap();
+        let eos = tok.special().eos.clone();
+        let mut distinct = std::collections::BTreeSet::new();
+        for s in &out {
+            let want = lengths.of(4 + s.prompt_index, s.sample_index);
+            let len = s.token_ids.len();
+            distinct.insert(len);
+            if want <= 24 {
+                assert_eq!(len, want, "{s:?}");
+                assert_eq!(s.finish, FinishReason::Eos);
+                assert!(eos.contains(&s.token_ids[len - 1]));
+            } else {
+                assert_eq!((len, &s.finish), (24, &FinishReason::Length));
+            }
+            // No end-of-sequence token before the end.
+            assert!(s.token_ids[..len - 1].iter().all(|t| !eos.contains(t)));
+            assert!(s.logprobs.iter().all(|l| l.is_finite() && *l <= 0.0));
+        }
+        assert!(distinct.len() > 3, "{distinct:?}");
+        // Speculation would verify drafts without the mask: refused.
+        let refused = generate_stream(
+            &m,
+            &tok,
+            prompts(&tok, &["one"]),
+            SamplingParams::default(),
+            EngineOptions {
+                lengths: Some(lengths),
+                speculate: SpeculateMode::Ngram(2),
+                ..EngineOptions::default()
+            },
+        );
+        assert!(refused.is_err());
+    }
+
     #[test]
     fn same_seed_same_text_whatever_the_batch() {
         crate::device::set_cpu_threads(1);
