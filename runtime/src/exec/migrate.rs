@@ -71,6 +71,8 @@ pub(super) struct TailStats {
     pub(super) received_bytes: usize,
     /// Tokens the kept replica had to prefill again (samples moved without their cache).
     pub(super) prefill_tokens: usize,
+    /// This rank's replica kept its samples (else it released them).
+    pub(super) kept: bool,
 }
 
 /// The groups of two a tail used, by peer rank, handed back after the generation.
@@ -86,7 +88,10 @@ pub(super) fn run(
     tx: &mpsc::Sender<Result<(usize, Sample)>>,
     t0: Instant,
 ) -> Result<(TailStats, TailGroups)> {
-    let mut stats = TailStats::default();
+    let mut stats = TailStats {
+        kept: matches!(tail.as_ref().map(|t| &t.role), Some(Role::Keeps(_))),
+        ..TailStats::default()
+    };
     let mut migrated = false;
     // Adopted samples by number: the index in `Keeps` of the replica they go back to.
     let mut owners: BTreeMap<usize, usize> = BTreeMap::new();
@@ -425,7 +430,7 @@ impl super::Executor<'_> {
         m.insert("migrate/kv".into(), f64::from(u8::from(state.kv)));
         if let Some(at) = t.at {
             m.insert("migrate/at_s".into(), at);
-            let (what, n, bytes) = if t.received > 0 || t.samples == 0 {
+            let (what, n, bytes) = if t.kept {
                 ("took", t.received, t.received_bytes)
             } else {
                 ("handed over", t.samples, t.bytes)

@@ -415,6 +415,8 @@ impl<'p> Executor<'p> {
         let mut m: BTreeMap<String, f64> = BTreeMap::new();
         let mut time: BTreeMap<&'static str, f64> = BTreeMap::new();
         let mut lengths = Vec::new();
+        // When the rollout and every inference call on it were done (seconds into the step).
+        let mut rollout_done: f64 = 0.0;
         let seed = derive(self.plan.seed as u64, step as u64);
         let order = self.order.clone();
         // Trainings waiting for the one they are interleaved with.
@@ -470,6 +472,7 @@ impl<'p> Executor<'p> {
                         });
                     }
                     let end = t_step.elapsed().as_secs_f64();
+                    rollout_done = rollout_done.max(end);
                     self.span(step, id, "gather", g0 + stats.gen_seconds.max(0.0), end);
                     *time.entry("generate").or_default() += stats.gen_seconds;
                     *time.entry("infer").or_default() += stats.infer_seconds;
@@ -511,6 +514,7 @@ impl<'p> Executor<'p> {
                     let seqs = self.sequences_of(id, *model, &r)?;
                     let v = self.infer_call(id, &node.op, *model, &seqs, r.temperature)?;
                     *time.entry("infer").or_default() += t0.elapsed().as_secs_f64();
+                    rollout_done = rollout_done.max(t_step.elapsed().as_secs_f64());
                     v
                 }
                 Op::Kernel { args, .. } => {
@@ -720,6 +724,8 @@ impl<'p> Executor<'p> {
             m.insert(format!("time/{k}"), v);
         }
         m.insert("time/step".into(), t_step.elapsed().as_secs_f64());
+        // Generation and inference together: the rollout phase of the step.
+        m.insert("time/rollout".into(), rollout_done);
         Ok((m, lengths))
     }
 }
