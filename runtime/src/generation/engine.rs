@@ -565,11 +565,11 @@ impl Generation<'_> {
         if self.failed {
             return Err(Error::invalid("generation", "an earlier step failed"));
         }
-        if !self.running.is_empty() || !self.waiting.is_empty() || !self.parked.is_empty() {
-            if let Err(e) = self.advance() {
-                self.failed = true;
-                return Err(e);
-            }
+        if (!self.running.is_empty() || !self.waiting.is_empty() || !self.parked.is_empty())
+            && let Err(e) = self.advance()
+        {
+            self.failed = true;
+            return Err(e);
         }
         Ok(self.done.drain(..).collect())
     }
@@ -1468,7 +1468,7 @@ mod tests {
             ..EngineOptions::default()
         };
         let mut out = Vec::new();
-        let mut keep = |g: &Generation, s: Vec<Sample>, out: &mut Vec<Sample>| {
+        let keep = |g: &Generation, s: Vec<Sample>, out: &mut Vec<Sample>| {
             for mut x in s {
                 x.prompt_index = g.batch_index(x.prompt_index);
                 out.push(x);
