@@ -43,6 +43,124 @@ pub(super) struct Tail {
     /// Started samples take their KV cache along (else they are prefilled again).
     pub(super) kv: bool,
     pub(super) role: Role,
+    /// This rank.
+    pub(super) rank: usize,
+    /// Whether giving samples to an idle kept replica before the tail pays.
+    pub(super) realloc: Realloc,
+}
+
+impl Tail {
+    /// The counter of released replica `rank`'s unfinished samples.
+    fn load_key(&self, rank: usize) -> String {
+        format!("{}/load/{rank}", self.key)
+    }
+
+    /// The counter of requests for samples made to released replica `rank`.
+    fn ask_key(&self, rank: usize) -> String {
+        format!("{}/ask/{rank}", self.key)
+    }
+}
+
+/// What a message of migrants is: samples given before the tail on request, or a tail.
+const GIFT: i64 = 0;
+const TAIL: i64 = 1;
+
+/// The cost model's view of sample reallocation (RLHFSpec) for one generation: before the
+/// tail, a kept replica that has run out of samples asks the paired replica with the most for
+/// some, which gives half of them when its own decode steps over the work expected to remain,
+/// against its and the receiver's steps side by side plus the hand-over, say so.
+#[derive(Clone, Debug)]
+pub(crate) struct Realloc {
+    pub(super) cost: braid_cost::cost::CostModel,
+    pub(super) shape: braid_cost::cost::ModelShape,
+    pub(super) prompt_len: u64,
+    /// Lengths drawn from the plan's distribution (at most `max_new_tokens`), ascending: what
+    /// remains of a sample with `l` tokens is estimated from those above `l`.
+    pub(super) lengths: Vec<u64>,
+    pub(super) across_nodes: bool,
+}
+
+impl Realloc {
+    /// The plan's view for a generation of `model` with `max_new` tokens at most.
+    pub(super) fn for_plan(
+        exec: &braid_ir::exec_plan::ExecPlan,
+        shape: &braid_cost::cost::ModelShape,
+        max_new: u64,
+        seed: u64,
+    ) -> Realloc {
+        let mut rng = braid_cost::prng::Rng::new(seed);
+        let mut lengths: Vec<u64> = (0..512)
+            .map(|_| {
+                exec.workload
+                    .lengths
+                    .sample(&mut rng)
+                    .clamp(1, max_new.max(1))
+            })
+            .collect();
+        lengths.sort_unstable();
+        Realloc {
+            cost: exec.cluster.cost_model(),
+            shape: shape.clone(),
+            prompt_len: exec.workload.prompt_len,
+            lengths,
+            across_nodes: exec.cluster.nodes > 1,
+        }
+    }
+
+    /// Tokens a sample with `l` tokens is expected to generate still.
+    fn remaining(&self, l: usize) -> f64 {
+        let above: Vec<u64> = self
+            .lengths
+            .iter()
+            .copied()
+            .filter(|&x| x as usize > l)
+            .collect();
+        if above.is_empty() {
+            return 1.0;
+        }
+        above.iter().sum::<u64>() as f64 / above.len() as f64 - l as f64
+    }
+
+    /// How many of `pending` unfinished samples (the running ones with `running` tokens each,
+    /// the others not started) to give an idle replica: half, when that pays, else none.
+    pub(super) fn donation(&self, pending: usize, running: &[usize], kv: bool) -> usize {
+        let give = pending / 2;
+        if give == 0 {
+            return 0;
+        }
+        let mut lens: Vec<usize> = running.to_vec();
+        lens.resize(pending.max(running.len()), 0);
+        let steps = lens.iter().map(|&l| self.remaining(l)).sum::<f64>() / lens.len() as f64;
+        let context = self.prompt_len + (lens.iter().sum::<usize>() / lens.len().max(1)) as u64;
+        let one = braid_cost::cost::Layout {
+            dp: 1,
+            tp: 1,
+            pp: 1,
+        };
+        let step = |b: usize| {
+            self.cost
+                .decode_step_time(&self.shape, one, b as u64, context)
+        };
+        let saved = steps * (step(pending) - step(pending - give).max(step(give)));
+        let d = &self.cost.device;
+        let (bw, latency) = if self.across_nodes {
+            (d.inter_node_bandwidth, d.inter_node_latency)
+        } else {
+            (d.intra_node_bandwidth, d.intra_node_latency)
+        };
+        let moving = if kv {
+            let bytes =
+                (give as u64 * context * self.shape.kv_bytes_per_token(self.cost.dtype_bytes))
+                    as f64;
+            latency + bytes / (bw * d.network_efficiency).max(1.0)
+        } else {
+            latency
+                + self
+                    .cost
+                    .prefill_time(&self.shape, one, give as u64, context)
+        };
+        if saved > moving { give } else { 0 }
+    }
 }
 
 /// What this rank's replica does when the tail migrates.
@@ -73,6 +191,11 @@ pub(super) struct TailStats {
     pub(super) prefill_tokens: usize,
     /// This rank's replica kept its samples (else it released them).
     pub(super) kept: bool,
+    /// Samples a kept replica was given before the tail, a released one gave, and the seconds
+    /// those hand-overs took.
+    pub(super) reallocated: usize,
+    pub(super) given: usize,
+    pub(super) realloc_seconds: f64,
 }
 
 /// The groups of two a tail used, by peer rank, handed back after the generation.
@@ -92,12 +215,35 @@ pub(super) fn run(
         kept: matches!(tail.as_ref().map(|t| &t.role), Some(Role::Keeps(_))),
         ..TailStats::default()
     };
+    // Released: handed over; kept: every paired replica's tail taken.
     let mut migrated = false;
     // Adopted samples by number: the index in `Keeps` of the replica they go back to.
     let mut owners: BTreeMap<usize, usize> = BTreeMap::new();
+    let peers = match tail.as_ref().map(|t| &t.role) {
+        Some(Role::Keeps(p)) => p.len(),
+        _ => 0,
+    };
+    // Kept: per paired replica, whether its tail arrived (it relays what comes back only
+    // after handing its tail over), the finished samples held for it until then, and
+    // whether it declined a request.
+    let mut tail_in = vec![false; peers];
+    let mut held: Vec<Vec<(usize, Sample)>> = (0..peers).map(|_| Vec::new()).collect();
+    let mut declined = vec![false; peers];
+    // Released: requests answered, and samples given before the tail.
+    let mut answered = 0i64;
+    let mut given = 0usize;
+    if let Some(t) = &tail
+        && matches!(t.role, Role::Releases(..))
+    {
+        t.counter
+            .add(&t.load_key(t.rank), engine.pending() as i64)?;
+    }
     loop {
         let pending = engine.pending();
-        let waiting_for_tail = tail.is_some() && !migrated;
+        let waiting_for_tail = tail.as_ref().is_some_and(|t| match &t.role {
+            Role::Keeps(p) => !migrated && !p.is_empty(),
+            Role::Releases(..) => !migrated,
+        });
         if pending == 0 && !waiting_for_tail {
             break;
         }
@@ -111,9 +257,12 @@ pub(super) fn run(
             s.prompt_index = engine.batch_index(s.prompt_index);
             let slot = s.prompt_index * n + s.sample_index;
             match (owners.get(&slot), tail.as_ref().map(|t| &t.role)) {
-                (Some(&k), Some(Role::Keeps(peers))) => {
-                    let (_, g) = &peers[k];
-                    send_sample(g, slot, &s)?;
+                (Some(&k), Some(Role::Keeps(p))) => {
+                    if tail_in[k] {
+                        send_sample(&p[k].1, slot, &s)?;
+                    } else {
+                        held[k].push((slot, s));
+                    }
                 }
                 _ => {
                     if tx.send(Ok((slot, s))).is_err() {
@@ -127,47 +276,57 @@ pub(super) fn run(
             continue;
         };
         let local = engine.pending();
-        if finished == 0 && local > t.threshold {
-            continue;
+        // The world's unfinished samples, read when they can be at the threshold.
+        let mut global = usize::MAX;
+        if finished > 0 || local <= t.threshold {
+            let done_so_far = t.counter.add(&t.key, finished as i64)?;
+            global = t
+                .total
+                .saturating_sub(usize::try_from(done_so_far).unwrap_or(0));
         }
-        let done_so_far = t.counter.add(&t.key, finished as i64)?;
-        let global = t
-            .total
-            .saturating_sub(usize::try_from(done_so_far).unwrap_or(0));
         match &t.role {
             Role::Releases(_, g) => {
-                if global > t.threshold && local > 0 {
+                if finished > 0 {
+                    t.counter.add(&t.load_key(t.rank), -(finished as i64))?;
+                }
+                if global <= t.threshold || local == 0 {
+                    let start = Instant::now();
+                    stats.at = Some(start.duration_since(t0).as_secs_f64());
+                    let moving = engine.release(t.kv)?;
+                    stats.samples = moving.len();
+                    stats.bytes += send_migrants(g, &moving, TAIL)?;
+                    stats.seconds = start.elapsed().as_secs_f64();
+                    migrated = true;
+                    // Each comes back once it finishes where it went.
+                    for _ in 0..moving.len() + given {
+                        let (slot, s) = recv_sample(g, n)?;
+                        if tx.send(Ok((slot, s))).is_err() {
+                            break;
+                        }
+                    }
                     continue;
                 }
-                let start = Instant::now();
-                stats.at = Some(start.duration_since(t0).as_secs_f64());
-                let moving = engine.release(t.kv)?;
-                stats.samples = moving.len();
-                stats.bytes = send_migrants(g, &moving)?;
-                stats.seconds = start.elapsed().as_secs_f64();
-                migrated = true;
-                // Each comes back once it finishes where it went.
-                for _ in 0..moving.len() {
-                    let (slot, s) = recv_sample(g, n)?;
-                    if tx.send(Ok((slot, s))).is_err() {
-                        break;
-                    }
+                // The kept replica ran out of samples and asks for some of these.
+                let asks = t.counter.add(&t.ask_key(t.rank), 0)?;
+                if asks > answered {
+                    answered = asks;
+                    let start = Instant::now();
+                    let d = t.realloc.donation(local, &engine.running_lengths(), t.kv);
+                    let moving = engine.release_some(d, t.kv)?;
+                    stats.bytes += send_migrants(g, &moving, GIFT)?;
+                    stats.realloc_seconds += start.elapsed().as_secs_f64();
+                    t.counter.add(&t.load_key(t.rank), -(moving.len() as i64))?;
+                    given += moving.len();
+                    stats.given += moving.len();
                 }
             }
-            Role::Keeps(peers) => {
-                if global > t.threshold {
-                    if local == 0 {
-                        // Nothing of its own left: wait for the tail.
-                        std::thread::sleep(Duration::from_millis(1));
-                    }
-                    continue;
-                }
-                let start = Instant::now();
-                stats.at = Some(start.duration_since(t0).as_secs_f64());
+            Role::Keeps(p) => {
                 let layout = engine.kv_layout();
-                for (k, (_, g)) in peers.iter().enumerate() {
-                    let (moved, bytes) = recv_migrants(g, layout)?;
-                    stats.received += moved.len();
+                let mut take = |k: usize,
+                                engine: &mut Generation<'_>,
+                                stats: &mut TailStats|
+                 -> Result<(usize, bool)> {
+                    let (moved, kind, bytes) = recv_migrants(&p[k].1, layout)?;
                     stats.received_bytes += bytes;
                     for m in &moved {
                         owners.insert(m.batch_index * n + m.sample_index, k);
@@ -175,10 +334,73 @@ pub(super) fn run(
                             stats.prefill_tokens += m.prompt.len() + m.tokens.len() - 1;
                         }
                     }
+                    let count = moved.len();
                     engine.adopt(moved)?;
+                    Ok((count, kind == TAIL))
+                };
+                if global <= t.threshold {
+                    let start = Instant::now();
+                    stats.at = Some(start.duration_since(t0).as_secs_f64());
+                    for k in 0..p.len() {
+                        if tail_in[k] {
+                            continue;
+                        }
+                        let (count, is_tail) = take(k, &mut engine, &mut stats)?;
+                        if !is_tail {
+                            return Err(Error::invalid(
+                                "migration",
+                                format!("rank {} sent samples nobody asked for", p[k].0),
+                            ));
+                        }
+                        stats.received += count;
+                        tail_in[k] = true;
+                        for (slot, s) in held[k].drain(..) {
+                            send_sample(&p[k].1, slot, &s)?;
+                        }
+                    }
+                    stats.seconds = start.elapsed().as_secs_f64();
+                    migrated = true;
+                    continue;
                 }
-                stats.seconds = start.elapsed().as_secs_f64();
-                migrated = true;
+                if local > 0 {
+                    continue;
+                }
+                // Out of samples before the tail: ask the paired replica with the most
+                // unfinished ones (which gives some if the cost model says it pays).
+                let mut busiest: Option<(usize, i64)> = None;
+                for k in (0..p.len()).filter(|&k| !tail_in[k] && !declined[k]) {
+                    let load = t.counter.add(&t.load_key(p[k].0), 0)?;
+                    if load >= 2 && busiest.is_none_or(|b| load > b.1) {
+                        busiest = Some((k, load));
+                    }
+                }
+                let Some((k, _)) = busiest else {
+                    std::thread::sleep(Duration::from_millis(1));
+                    continue;
+                };
+                let start = Instant::now();
+                t.counter.add(&t.ask_key(p[k].0), 1)?;
+                let (count, is_tail) = take(k, &mut engine, &mut stats)?;
+                if is_tail {
+                    // It had reached its own hand-over: this is its tail.
+                    stats
+                        .at
+                        .get_or_insert(start.duration_since(t0).as_secs_f64());
+                    stats.received += count;
+                    tail_in[k] = true;
+                    for (slot, s) in held[k].drain(..) {
+                        send_sample(&p[k].1, slot, &s)?;
+                    }
+                    if tail_in.iter().all(|x| *x) {
+                        migrated = true;
+                    }
+                } else {
+                    stats.reallocated += count;
+                    stats.realloc_seconds += start.elapsed().as_secs_f64();
+                    if count == 0 {
+                        declined[k] = true;
+                    }
+                }
             }
         }
     }
@@ -229,13 +451,14 @@ fn ints(t: &Tensor) -> Result<Vec<i64>> {
     Vec::<i64>::try_from(t).map_err(Error::Torch)
 }
 
-/// Sends migrants over a group of two: a count, then per migrant a header (batch index,
+/// Sends migrants over a group of two: a count and what they are (`GIFT` or `TAIL`), then per
+/// migrant a header (batch index,
 /// sample, prompt and token counts, generator state, cache length or -1) and its parts.
 /// Returns the bytes sent.
-fn send_migrants(g: &ProcessGroup, moving: &[Migrant]) -> Result<usize> {
+fn send_migrants(g: &ProcessGroup, moving: &[Migrant], kind: i64) -> Result<usize> {
     let to = peer(g);
-    g.send(&Tensor::from_slice(&[moving.len() as i64]), to, 0)?;
-    let mut bytes = 8;
+    g.send(&Tensor::from_slice(&[moving.len() as i64, kind]), to, 0)?;
+    let mut bytes = 16;
     for m in moving {
         let kv_len =
             m.kv.as_ref()
@@ -269,16 +492,17 @@ fn send_migrants(g: &ProcessGroup, moving: &[Migrant]) -> Result<usize> {
 }
 
 /// Receives what `send_migrants` sent, the caches as `layout` (layers, key/value heads, head
-/// width, kind) says. Returns them and the bytes received.
+/// width, kind) says. Returns them, what they are, and the bytes received.
 fn recv_migrants(
     g: &ProcessGroup,
     (layers, kv_heads, head_dim, kind): (usize, i64, i64, Kind),
-) -> Result<(Vec<Migrant>, usize)> {
+) -> Result<(Vec<Migrant>, i64, usize)> {
     let from = peer(g);
     let cpu = tch::Device::Cpu;
-    let mut count = Tensor::zeros([1], (Kind::Int64, cpu));
-    g.recv(&mut count, from, 0)?;
-    let count = ints(&count)?[0];
+    let mut head = Tensor::zeros([2], (Kind::Int64, cpu));
+    g.recv(&mut head, from, 0)?;
+    let head = ints(&head)?;
+    let (count, what) = (head[0], head[1]);
     if !(0..=1 << 24).contains(&count) {
         return Err(Error::invalid(
             "migration",
@@ -286,7 +510,7 @@ fn recv_migrants(
         ));
     }
     let mut out = Vec::with_capacity(count as usize);
-    let mut bytes = 8;
+    let mut bytes = 16;
     for _ in 0..count {
         let mut header = Tensor::zeros([6], (Kind::Int64, cpu));
         g.recv(&mut header, from, 1)?;
@@ -328,7 +552,7 @@ fn recv_migrants(
             kv,
         });
     }
-    Ok((out, bytes))
+    Ok((out, what, bytes))
 }
 
 /// Sends one finished sample (numbered `slot`) to the other rank of a group of two: a header
@@ -428,6 +652,7 @@ impl super::Executor<'_> {
         m.insert("migrate/prefill_tokens".into(), t.prefill_tokens as f64);
         m.insert("migrate/seconds".into(), t.seconds);
         m.insert("migrate/kv".into(), f64::from(u8::from(state.kv)));
+        m.insert("migrate/reallocated".into(), t.reallocated as f64);
         if let Some(at) = t.at {
             m.insert("migrate/at_s".into(), at);
             let (what, n, bytes) = if t.kept {
@@ -474,7 +699,8 @@ impl super::Executor<'_> {
     }
 }
 
-/// The generations whose tails this run migrates (`comm::migrates`) with the plan's choice:
+/// The generations whose tails this run migrates (`comm::migrates`) with the plan's choice
+/// (and what decides reallocation before the tail):
 /// started samples carry their KV cache when `kv` says so, or, by default, when the cost
 /// model finds sending the plan's tail cheaper than prefilling it again.
 pub(super) fn tail_states(
@@ -490,15 +716,18 @@ pub(super) fn tail_states(
         let Some(Op::Generate { model, params }) = exec.plan.graph.node(*id).map(|n| &n.op) else {
             continue;
         };
-        let kv = kv.unwrap_or_else(|| match exec.shapes.get(*model as usize) {
-            Some(shape) => carry_kv(
+        let Some(shape) = exec.shapes.get(*model as usize) else {
+            continue;
+        };
+        let max_new = params.max_new_tokens.max(1) as u64;
+        let kv = kv.unwrap_or_else(|| {
+            carry_kv(
                 &exec.cluster.cost_model(),
                 shape,
                 m.threshold,
-                exec.workload.prompt_len + params.max_new_tokens.max(1) as u64 / 2,
+                exec.workload.prompt_len + max_new / 2,
                 exec.cluster.nodes > 1,
-            ),
-            None => true,
+            )
         });
         let planned = super::TailChoice {
             threshold: m.threshold,
@@ -511,8 +740,48 @@ pub(super) fn tail_states(
                 planned,
                 pinned: m.pinned,
                 kv,
+                realloc: Realloc::for_plan(exec, shape, max_new, exec.seed),
             },
         );
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use braid_cost::cluster::ClusterSpec;
+    use braid_cost::cost::ModelShape;
+
+    fn realloc(cluster: &str, lengths: Vec<u64>) -> Realloc {
+        Realloc {
+            cost: ClusterSpec::parse(cluster).unwrap().cost_model(),
+            shape: ModelShape::preset_for_path("llama-7b").unwrap(),
+            prompt_len: 128,
+            lengths,
+            across_nodes: false,
+        }
+    }
+
+    /// Reallocation pays where splitting the batch shortens the decode steps (half the KV
+    /// reads, and at a large batch half the compute, on the other device) by more than the
+    /// hand-over costs over the tokens expected to remain; not when little work remains, and
+    /// not for a single sample.
+    #[test]
+    fn reallocation_gives_half_only_where_the_cost_model_says_it_pays() {
+        let long: Vec<u64> = (1..=512).collect();
+        let r = realloc("1x8xH100", long.clone());
+        assert_eq!(r.donation(1024, &vec![10; 1024], true), 512);
+        assert_eq!(r.donation(4, &[10; 4], true), 2);
+        assert_eq!(r.donation(1, &[10], true), 0);
+        // Every sample is about to end: nothing to gain.
+        let short = realloc("1x8xH100", vec![11; 512]);
+        assert_eq!(short.donation(1024, &vec![10; 1024], true), 0);
+        assert_eq!(short.donation(4, &[10; 4], false), 0);
+        // Expected remaining tokens from the lengths above what a sample has.
+        assert!((r.remaining(0) - 256.5).abs() < 1e-9);
+        assert!((r.remaining(500) - 6.5).abs() < 1e-9);
+        assert_eq!(short.remaining(20), 1.0);
+    }
 }

@@ -134,6 +134,7 @@ pub(super) struct TailState {
     pub(super) pinned: bool,
     /// Started samples travel with their KV cache (else they are prefilled again).
     pub(super) kv: bool,
+    pub(super) realloc: migrate::Realloc,
 }
 
 /// Migrate when no more than `threshold` samples are unfinished, onto `kept` instances.

@@ -257,7 +257,10 @@ impl<'p> Executor<'p> {
                             || k.starts_with("stream/")
                             || matches!(
                                 k.as_str(),
-                                "migrate/samples" | "migrate/bytes" | "migrate/prefill_tokens"
+                                "migrate/samples"
+                                    | "migrate/bytes"
+                                    | "migrate/prefill_tokens"
+                                    | "migrate/reallocated"
                             ) =>
                     {
                         *x += v

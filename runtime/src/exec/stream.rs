@@ -575,6 +575,8 @@ impl<'p> Executor<'p> {
             threshold: ch.threshold as usize,
             kv: choice.kv,
             role,
+            rank,
+            realloc: choice.realloc.clone(),
         }))
     }
 }

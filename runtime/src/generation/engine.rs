@@ -633,6 +633,93 @@ impl Generation<'_> {
         Ok(out)
     }
 
+    /// Hands over up to `count` unfinished samples, those with the most work likely left
+    /// first: parked and waiting ones (not started), then running ones with the fewest tokens
+    /// (`kv` as for [`Generation::release`]); the rest keep running here. For sample
+    /// reallocation before the tail.
+    pub fn release_some(&mut self, count: usize, kv: bool) -> Result<Vec<Migrant>> {
+        if count >= self.pending() {
+            return self.release(kv);
+        }
+        let mut out: Vec<Migrant> = Vec::new();
+        while out.len() < count {
+            let Some(m) = self.parked.pop_back() else {
+                break;
+            };
+            out.push(m);
+        }
+        while out.len() < count {
+            let Some((p, s)) = self.waiting.pop_back() else {
+                break;
+            };
+            // A prefilled prompt has one sample fewer to admit.
+            if let Some(row) = self
+                .prefilled
+                .iter_mut()
+                .flat_map(|pf| pf.rows.iter_mut())
+                .find(|r| r.0 == p && r.2 > 0)
+            {
+                row.2 -= 1;
+            }
+            let batch_index = self.batch_index(p);
+            out.push(Migrant {
+                batch_index,
+                sample_index: s,
+                prompt: self.prompts[p].clone(),
+                tokens: Vec::new(),
+                logprobs: Vec::new(),
+                rng: Rng::for_sample(self.params.seed, batch_index, s).state(),
+                kv: None,
+            });
+        }
+        self.prefilled.retain(|pf| pf.rows.iter().any(|r| r.2 > 0));
+        if out.len() >= count {
+            return Ok(out);
+        }
+        let mut rows: Vec<usize> = (0..self.running.len()).collect();
+        rows.sort_by_key(|&r| (self.running[r].tokens.len(), r));
+        let mut moving: Vec<usize> = rows[..(count - out.len()).min(rows.len())].to_vec();
+        moving.sort_unstable();
+        for &row in &moving {
+            let run = &self.running[row];
+            out.push(Migrant {
+                batch_index: self.batch_index(run.prompt),
+                sample_index: run.sample,
+                prompt: self.prompts[run.prompt].clone(),
+                tokens: run.tokens.clone(),
+                logprobs: run.logprobs.clone(),
+                rng: run.rng.state(),
+                kv: if kv {
+                    Some(self.cache.row_parts(row)?)
+                } else {
+                    None
+                },
+            });
+        }
+        let keep: Vec<usize> = (0..self.running.len())
+            .filter(|r| moving.binary_search(r).is_err())
+            .collect();
+        self.cache.retain_rows(&keep);
+        if let Some(sp) = &mut self.spec
+            && let Drafter::Model { cache, .. } = &mut sp.drafter
+        {
+            cache.retain_rows(&keep);
+        }
+        let running = std::mem::take(&mut self.running);
+        self.running = running
+            .into_iter()
+            .enumerate()
+            .filter(|(r, _)| moving.binary_search(r).is_err())
+            .map(|(_, run)| run)
+            .collect();
+        Ok(out)
+    }
+
+    /// Tokens generated so far by each running sample.
+    pub fn running_lengths(&self) -> Vec<usize> {
+        self.running.iter().map(|r| r.tokens.len()).collect()
+    }
+
     /// Takes samples another engine released ([`Generation::release`]): they continue here
     /// with their own generators, as free rows allow.
     pub fn adopt(&mut self, migrants: Vec<Migrant>) -> Result<()> {
@@ -1524,6 +1611,83 @@ mod tests {
                     (a.prompt_index, a.sample_index, &a.token_ids, &a.text),
                     (b.prompt_index, b.sample_index, &b.token_ids, &b.text),
                     "kv {kv}, batch {max_batch}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn samples_reallocated_mid_generation_keep_their_texts() {
+        crate::device::set_cpu_threads(1);
+        let (m, tok) = model();
+        let all = prompts(&tok, &["one", "two prompts", "three", "four!"]);
+        let params = SamplingParams {
+            max_new_tokens: 20,
+            seed: 5,
+            n: 2,
+            stop_at_eos: false,
+            top_k: 40,
+            ..SamplingParams::default()
+        };
+        let opts = EngineOptions {
+            max_batch: 5,
+            ..EngineOptions::default()
+        };
+        let reference = generate(&m, &tok, all.clone(), params.clone(), opts.clone()).unwrap();
+        for kv in [true, false] {
+            let mut out = Vec::new();
+            let mut a =
+                generate_stream(&m, &tok, all.clone(), params.clone(), opts.clone()).unwrap();
+            for _ in 0..4 {
+                for mut x in a.step().unwrap() {
+                    x.prompt_index = a.batch_index(x.prompt_index);
+                    out.push(x);
+                }
+            }
+            let before = a.pending();
+            let mut lengths = a.running_lengths();
+            lengths.sort_unstable();
+            let waiting = before - lengths.len();
+            let moving = a.release_some(4, kv).unwrap();
+            assert_eq!((moving.len(), a.pending()), (4, before - 4));
+            // Waiting samples go first, then the running ones with the fewest tokens.
+            let mut started: Vec<usize> = moving
+                .iter()
+                .map(|x| x.tokens.len())
+                .filter(|&l| l > 0)
+                .collect();
+            started.sort_unstable();
+            assert_eq!(started.len(), 4 - waiting.min(4));
+            assert_eq!(started, lengths[..started.len()]);
+            let mut b = generate_stream(
+                &m,
+                &tok,
+                vec![all[0].clone()],
+                params.clone(),
+                EngineOptions {
+                    first_prompt: 99,
+                    ..opts.clone()
+                },
+            )
+            .unwrap();
+            // `b` has a prompt of its own (batch index 99) and takes the four.
+            b.adopt(moving).unwrap();
+            for g in [&mut a, &mut b] {
+                while g.pending() > 0 {
+                    for mut x in g.step().unwrap() {
+                        x.prompt_index = g.batch_index(x.prompt_index);
+                        out.push(x);
+                    }
+                }
+            }
+            out.retain(|x| x.prompt_index != 99);
+            out.sort_by_key(|s| (s.prompt_index, s.sample_index));
+            assert_eq!(out.len(), reference.len());
+            for (x, y) in reference.iter().zip(&out) {
+                assert_eq!(
+                    (x.prompt_index, x.sample_index, &x.token_ids),
+                    (y.prompt_index, y.sample_index, &y.token_ids),
+                    "kv {kv}"
                 );
             }
         }
