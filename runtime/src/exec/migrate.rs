@@ -170,7 +170,7 @@ pub(super) enum Role {
     Keeps(Vec<(usize, ProcessGroup)>),
     /// Hands its unfinished samples to the replica on this rank (over this group of two),
     /// then relays them back as they finish.
-    Releases(usize, ProcessGroup),
+    Releases(usize, Box<ProcessGroup>),
 }
 
 /// What migration did on this rank.
@@ -410,7 +410,7 @@ pub(super) fn run(
 fn give_back(tail: Option<Tail>) -> TailGroups {
     match tail.map(|t| t.role) {
         Some(Role::Keeps(peers)) => peers,
-        Some(Role::Releases(peer, g)) => vec![(peer, g)],
+        Some(Role::Releases(peer, g)) => vec![(peer, *g)],
         None => Vec::new(),
     }
 }

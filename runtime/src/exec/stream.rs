@@ -565,7 +565,7 @@ impl<'p> Executor<'p> {
             Role::Keeps(peers)
         } else {
             let to = rank_of(me % kept);
-            Role::Releases(to, self.comm.take_tail(id, rank, to)?)
+            Role::Releases(to, Box::new(self.comm.take_tail(id, rank, to)?))
         };
         self.tail_round += 1;
         Ok(Some(Tail {
