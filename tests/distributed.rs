@@ -1046,3 +1046,84 @@ fn ppo_tiny_migrates_its_long_tail_on_4_ranks_and_learns() {
     assert!(run.iter().all(|m| num(m, "migrate/kept") == 1.0));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A migration the plan chose without a pin is re-chosen after every iteration from the lengths
+/// that iteration produced (the plan simulated with them): the first step migrates at the
+/// plan's `R_t`, later ones at what the observed lengths choose — here, not at all in some
+/// steps and at other thresholds in others — and the texts do not change.
+#[test]
+fn an_unpinned_migration_is_rechosen_from_the_lengths_observed() {
+    let dir = tmp("retune");
+    let emit = |tag: &str, plan: &Path| {
+        let file = long_tail_program(tag, 2, "migrate below 25%");
+        let out = braid()
+            .args([
+                "plan",
+                file.to_str().unwrap(),
+                "--gen-lengths",
+                LONG_TAIL,
+                "--emit",
+            ])
+            .arg(plan)
+            .output()
+            .unwrap();
+        let _ = std::fs::remove_file(&file);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    let (free, fixed) = (dir.join("unpinned.json"), dir.join("pinned.json"));
+    emit("retune", &free);
+    emit("retune-pinned", &fixed);
+    // The same decision, as the planner would record it unpinned.
+    let mut p: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&free).unwrap()).unwrap();
+    let migrations = p["decisions"]["migrations"].as_object_mut().unwrap();
+    assert_eq!(migrations.len(), 1);
+    for m in migrations.values_mut() {
+        m.as_object_mut().unwrap().remove("pinned");
+    }
+    std::fs::write(&free, serde_json::to_string(&p).unwrap()).unwrap();
+    let (a, b) = (dir.join("unpinned"), dir.join("pinned"));
+    let mut runs = Vec::new();
+    for (plan, out) in [(&free, &a), (&fixed, &b)] {
+        runs.push(launch_run(
+            2,
+            &[
+                plan.to_str().unwrap(),
+                "--run-dir",
+                out.to_str().unwrap(),
+                "--gen-lengths",
+                LONG_TAIL,
+                "--steps",
+                "6",
+                "--checkpoint-every",
+                "0",
+            ],
+            Duration::from_secs(600),
+        ));
+    }
+    for (ok, stderr) in &runs {
+        assert!(ok, "{stderr}");
+    }
+    assert!(
+        runs[0].1.contains("re-chosen each iteration"),
+        "{}",
+        runs[0].1
+    );
+    let (unpinned, pinned) = (metrics(&a), metrics(&b));
+    let thresholds: Vec<f64> = unpinned
+        .iter()
+        .map(|m| num(m, "migrate/threshold"))
+        .collect();
+    assert_eq!(thresholds[0], 4.0);
+    assert!(thresholds[1..].iter().any(|t| *t != 4.0), "{thresholds:?}");
+    assert!(pinned.iter().all(|m| num(m, "migrate/threshold") == 4.0));
+    for (x, y) in unpinned.iter().zip(&pinned) {
+        assert_eq!(num(x, "response_length"), num(y, "response_length"));
+        assert!(close(num(x, "reward_mean"), num(y, "reward_mean")));
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
