@@ -706,7 +706,8 @@ impl super::Executor<'_> {
 pub(super) fn tail_states(
     exec: &braid_ir::exec_plan::ExecPlan,
     kv: Option<bool>,
-) -> BTreeMap<braid_ir::graph::NodeId, super::TailState> {
+    gen_lengths: bool,
+) -> Result<BTreeMap<braid_ir::graph::NodeId, super::TailState>> {
     use braid_ir::graph::Op;
     let mut out = BTreeMap::new();
     for (id, m) in &exec.decisions.migrations {
@@ -719,6 +720,22 @@ pub(super) fn tail_states(
         let Some(shape) = exec.shapes.get(*model as usize) else {
             continue;
         };
+        // A draft model's cache would have to move with the samples (`--gen-lengths` turns
+        // speculation off).
+        if !gen_lengths
+            && matches!(
+                exec.speculation(*id),
+                braid_ir::graph::Speculation::Draft { .. }
+            )
+        {
+            return Err(Error::invalid(
+                "plan",
+                format!(
+                    "{id} migrates its tail and drafts with a draft model, whose cache does not \
+                     migrate; pin `migrate off` or another `speculate` mode"
+                ),
+            ));
+        }
         let max_new = params.max_new_tokens.max(1) as u64;
         let kv = kv.unwrap_or_else(|| {
             carry_kv(
@@ -744,7 +761,7 @@ pub(super) fn tail_states(
             },
         );
     }
-    out
+    Ok(out)
 }
 
 #[cfg(test)]

@@ -247,6 +247,7 @@ impl<'p> Executor<'p> {
             ));
         }
         let options_kv = options.migrate_kv;
+        let gen_lengths = options.gen_lengths.is_some();
         let mut ex = Executor {
             exec,
             plan,
@@ -267,7 +268,7 @@ impl<'p> Executor<'p> {
             timeline: Vec::new(),
             infer_pipes: BTreeMap::new(),
             release_after: BTreeMap::new(),
-            tails: migrate::tail_states(exec, options_kv),
+            tails: migrate::tail_states(exec, options_kv, gen_lengths)?,
             tail_round: 0,
         };
         ex.connect_pipelines()?;

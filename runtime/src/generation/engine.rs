@@ -589,6 +589,23 @@ impl Generation<'_> {
     /// not yet yielded stay. A draft model's cache does not migrate: generations with a draft
     /// model refuse.
     pub fn release(&mut self, kv: bool) -> Result<Vec<Migrant>> {
+        self.check_migratable()?;
+        let mut out: Vec<Migrant> = self.parked.drain(..).collect();
+        for row in 0..self.running.len() {
+            out.push(self.running_migrant(row, kv)?);
+        }
+        self.running.clear();
+        self.cache = self.model.new_cache(0);
+        for (p, s) in std::mem::take(&mut self.waiting) {
+            out.push(self.waiting_migrant(p, s));
+        }
+        self.prefilled.clear();
+        Ok(out)
+    }
+
+    /// Samples of a generation that drafts with a draft model do not move: the draft model's
+    /// cache would have to move with them.
+    fn check_migratable(&self) -> Result<()> {
         if matches!(
             self.spec.as_ref().map(|sp| &sp.drafter),
             Some(Drafter::Model { .. })
@@ -599,38 +616,39 @@ impl Generation<'_> {
                  have to move too)",
             ));
         }
-        let mut out: Vec<Migrant> = self.parked.drain(..).collect();
-        let running = std::mem::take(&mut self.running);
-        for (row, run) in running.into_iter().enumerate() {
-            out.push(Migrant {
-                batch_index: self.batch_index(run.prompt),
-                sample_index: run.sample,
-                prompt: self.prompts[run.prompt].clone(),
-                tokens: run.tokens,
-                logprobs: run.logprobs,
-                rng: run.rng.state(),
-                kv: if kv {
-                    Some(self.cache.row_parts(row)?)
-                } else {
-                    None
-                },
-            });
+        Ok(())
+    }
+
+    /// Running sample `row` as a migrant (with its cache row when `kv`).
+    fn running_migrant(&self, row: usize, kv: bool) -> Result<Migrant> {
+        let run = &self.running[row];
+        Ok(Migrant {
+            batch_index: self.batch_index(run.prompt),
+            sample_index: run.sample,
+            prompt: self.prompts[run.prompt].clone(),
+            tokens: run.tokens.clone(),
+            logprobs: run.logprobs.clone(),
+            rng: run.rng.state(),
+            kv: if kv {
+                Some(self.cache.row_parts(row)?)
+            } else {
+                None
+            },
+        })
+    }
+
+    /// Waiting sample `s` of prompt `p` as a migrant: not started, its generator fresh.
+    fn waiting_migrant(&self, p: usize, s: usize) -> Migrant {
+        let batch_index = self.batch_index(p);
+        Migrant {
+            batch_index,
+            sample_index: s,
+            prompt: self.prompts[p].clone(),
+            tokens: Vec::new(),
+            logprobs: Vec::new(),
+            rng: Rng::for_sample(self.params.seed, batch_index, s).state(),
+            kv: None,
         }
-        self.cache = self.model.new_cache(0);
-        for (p, s) in std::mem::take(&mut self.waiting) {
-            let batch_index = self.batch_index(p);
-            out.push(Migrant {
-                batch_index,
-                sample_index: s,
-                prompt: self.prompts[p].clone(),
-                tokens: Vec::new(),
-                logprobs: Vec::new(),
-                rng: Rng::for_sample(self.params.seed, batch_index, s).state(),
-                kv: None,
-            });
-        }
-        self.prefilled.clear();
-        Ok(out)
     }
 
     /// Hands over up to `count` unfinished samples, those with the most work likely left
@@ -641,6 +659,7 @@ impl Generation<'_> {
         if count >= self.pending() {
             return self.release(kv);
         }
+        self.check_migratable()?;
         let mut out: Vec<Migrant> = Vec::new();
         while out.len() < count {
             let Some(m) = self.parked.pop_back() else {
@@ -661,16 +680,7 @@ impl Generation<'_> {
             {
                 row.2 -= 1;
             }
-            let batch_index = self.batch_index(p);
-            out.push(Migrant {
-                batch_index,
-                sample_index: s,
-                prompt: self.prompts[p].clone(),
-                tokens: Vec::new(),
-                logprobs: Vec::new(),
-                rng: Rng::for_sample(self.params.seed, batch_index, s).state(),
-                kv: None,
-            });
+            out.push(self.waiting_migrant(p, s));
         }
         self.prefilled.retain(|pf| pf.rows.iter().any(|r| r.2 > 0));
         if out.len() >= count {
@@ -681,30 +691,13 @@ impl Generation<'_> {
         let mut moving: Vec<usize> = rows[..(count - out.len()).min(rows.len())].to_vec();
         moving.sort_unstable();
         for &row in &moving {
-            let run = &self.running[row];
-            out.push(Migrant {
-                batch_index: self.batch_index(run.prompt),
-                sample_index: run.sample,
-                prompt: self.prompts[run.prompt].clone(),
-                tokens: run.tokens.clone(),
-                logprobs: run.logprobs.clone(),
-                rng: run.rng.state(),
-                kv: if kv {
-                    Some(self.cache.row_parts(row)?)
-                } else {
-                    None
-                },
-            });
+            out.push(self.running_migrant(row, kv)?);
         }
         let keep: Vec<usize> = (0..self.running.len())
             .filter(|r| moving.binary_search(r).is_err())
             .collect();
+        // (No draft model's cache to cut: `check_migratable`.)
         self.cache.retain_rows(&keep);
-        if let Some(sp) = &mut self.spec
-            && let Drafter::Model { cache, .. } = &mut sp.drafter
-        {
-            cache.retain_rows(&keep);
-        }
         let running = std::mem::take(&mut self.running);
         self.running = running
             .into_iter()
