@@ -76,6 +76,11 @@ pub struct Args {
     /// devices.
     #[arg(long, value_name = "HOW", value_parser = ["kv", "prefill"])]
     migrate_with: Option<String>,
+    /// Whether a generation replica that runs out of samples may take some from the replica
+    /// holding the most (RLHFSpec's sample reallocation; the cost model decides each time
+    /// whether it pays): `on` (the default) or `off`.
+    #[arg(long, value_name = "ON_OFF", value_parser = ["on", "off"], default_value = "on")]
+    reallocate: String,
 }
 
 struct Fail(String, u8);
@@ -281,6 +286,7 @@ fn execute(args: &Args) -> Result<(), Fail> {
             None => None,
         },
         migrate_kv: args.migrate_with.as_deref().map(|w| w == "kv"),
+        no_realloc: args.reallocate == "off",
         tail_tuner: tail_tuner(&plan),
     };
     if lead {
@@ -342,10 +348,33 @@ fn execute(args: &Args) -> Result<(), Fail> {
         } else {
             // Said, not silently skipped: the plan decided it, this runtime does not do it.
             eprintln!(
-                "note: the plan migrates {}'s last {} samples onto {} instance(s); this runtime migrates only generations whose replicas are single ranks (not tensor-parallel ones): every instance finishes its own samples",
+                "note: the plan migrates {}'s last {} samples onto {} instance(s), but it has one data-parallel replica here: nothing to migrate",
                 call(*g),
                 m.threshold,
                 m.to_instances
+            );
+        }
+    }
+    for g in plan.plan.graph.node_ids() {
+        if !lead || !braid_runtime::exec::reallocates(&plan, g) {
+            continue;
+        }
+        let drafts = args.gen_lengths.is_none()
+            && matches!(
+                plan.speculation(g),
+                braid_ir::graph::Speculation::Draft { .. }
+            );
+        if args.reallocate == "off" {
+            eprintln!("{}: no sample reallocation (--reallocate off)", call(g));
+        } else if drafts {
+            eprintln!(
+                "note: {} drafts with a draft model, whose cache does not move with a sample: its replicas do not reallocate samples",
+                call(g)
+            );
+        } else {
+            eprintln!(
+                "{}: a replica that runs out of samples takes some from the busiest when the cost model says it pays",
+                call(g)
             );
         }
     }
@@ -525,6 +554,7 @@ fn eval_only(
         dist: None,
         gen_lengths: None,
         migrate_kv: None,
+        no_realloc: true,
         tail_tuner: None,
     };
     let mut ex = Executor::new(plan, options).map_err(runtime_err)?;

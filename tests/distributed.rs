@@ -947,8 +947,9 @@ fn assert_migrated_and_learned(run: &[serde_json::Map<String, serde_json::Value>
 /// Long-tail migration at run time on 2 ranks: `ppo_tiny` with log-normal output lengths and
 /// `migrate below 25%` hands the last 4 unfinished samples of rank 1 to rank 0 (with their KV
 /// caches), learns, and reports what moved and the share of inference hidden; the same seed
-/// with `migrate off` samples the same texts over all 40 steps, as does migrating by re-prefill
-/// over its 3.
+/// with `migrate off` (samples still reallocated between the replicas when one runs out)
+/// samples the same texts over all 40 steps, as do migrating by re-prefill and `migrate off`
+/// with `--reallocate off` over their 3.
 #[test]
 fn ppo_tiny_migrates_its_long_tail_on_2_ranks_and_samples_the_same_texts() {
     let dir = tmp("tail2");
@@ -967,13 +968,19 @@ fn ppo_tiny_migrates_its_long_tail_on_2_ranks_and_samples_the_same_texts() {
         args.extend_from_slice(extra);
         launch_run(2, &args, Duration::from_secs(600))
     };
-    let (a, b, c) = (dir.join("on"), dir.join("off"), dir.join("prefill"));
+    let (a, b, c, d) = (
+        dir.join("on"),
+        dir.join("off"),
+        dir.join("prefill"),
+        dir.join("unbalanced"),
+    );
     let on_run = run(&on, &a, &[]);
     let off_run = run(&off, &b, &[]);
     let prefill_run = run(&on, &c, &["--steps", "3", "--migrate-with", "prefill"]);
+    let alone_run = run(&off, &d, &["--steps", "3", "--reallocate", "off"]);
     let _ = std::fs::remove_file(&on);
     let _ = std::fs::remove_file(&off);
-    for (ok, stderr) in [&on_run, &off_run, &prefill_run] {
+    for (ok, stderr) in [&on_run, &off_run, &prefill_run, &alone_run] {
         assert!(ok, "{stderr}");
     }
     assert!(
@@ -981,9 +988,23 @@ fn ppo_tiny_migrates_its_long_tail_on_2_ranks_and_samples_the_same_texts() {
         "{}",
         on_run.1
     );
-    let (with, without, refilled) = (metrics(&a), metrics(&b), metrics(&c));
+    let (with, without, refilled, unbalanced) =
+        (metrics(&a), metrics(&b), metrics(&c), metrics(&d));
     assert_migrated_and_learned(&with);
     assert!(without.iter().all(|m| !m.contains_key("migrate/happened")));
+    let (kept_only, none) = (
+        without
+            .iter()
+            .map(|m| num(m, "migrate/reallocated"))
+            .sum::<f64>(),
+        unbalanced
+            .iter()
+            .filter(|m| m.contains_key("migrate/reallocated"))
+            .count(),
+    );
+    eprintln!("reallocated without migration: {kept_only} samples in 40 steps");
+    assert!(kept_only > 0.0, "no sample reallocated in 40 steps");
+    assert_eq!(none, 0, "--reallocate off reallocated");
     assert!(
         refilled
             .iter()
@@ -993,7 +1014,7 @@ fn ppo_tiny_migrates_its_long_tail_on_2_ranks_and_samples_the_same_texts() {
     // The same texts: every step's mean length and the mean and spread of its rewards (over
     // all 16 samples, the migrated ones among them), and the recorded completions (those of
     // the first prompts).
-    for other in [&without, &refilled] {
+    for other in [&without, &refilled, &unbalanced] {
         for (x, y) in with.iter().zip(other.iter()) {
             assert_eq!(num(x, "response_length"), num(y, "response_length"));
             assert!(close(num(x, "reward_mean"), num(y, "reward_mean")));
@@ -1012,6 +1033,7 @@ fn ppo_tiny_migrates_its_long_tail_on_2_ranks_and_samples_the_same_texts() {
     assert_eq!(texts(&a, 40).len(), 4 * 40);
     assert_eq!(texts(&a, 40), texts(&b, 40));
     assert_eq!(texts(&a, 3), texts(&c, 3));
+    assert_eq!(texts(&a, 3), texts(&d, 3));
     // Samples given to rank 0 before the tail (when it ran out first and the cost model said
     // it pays: how often depends on the ranks' timing) are among those compared.
     let given: f64 = with.iter().map(|m| num(m, "migrate/reallocated")).sum();
@@ -1044,6 +1066,96 @@ fn ppo_tiny_migrates_its_long_tail_on_4_ranks_and_learns() {
     let run = metrics(&out);
     assert_migrated_and_learned(&run);
     assert!(run.iter().all(|m| num(m, "migrate/kept") == 1.0));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Tensor-parallel generation replicas migrate too: on 4 ranks, generation `tp 2` over 2
+/// replicas hands replica 1's tail to replica 0, each tensor rank its own shard of every
+/// sample's cache (or the kept replica prefills them again, its collectives in step), and its
+/// texts are those of a run that neither migrates nor reallocates.
+#[test]
+fn tensor_parallel_generation_replicas_migrate_their_tail_with_the_same_texts() {
+    let dir = tmp("tail-tp");
+    let on = long_tail_program(
+        "tail-tp-on",
+        4,
+        "migrate below 25%\n  place generate(policy) on 0..4 tp 2\n  place logprobs(policy) on 0..4 tp 2",
+    );
+    let off = long_tail_program(
+        "tail-tp-off",
+        4,
+        "migrate off\n  place generate(policy) on 0..4 tp 2\n  place logprobs(policy) on 0..4 tp 2",
+    );
+    let run = |file: &Path, out: &Path, extra: &[&str]| {
+        let mut args = vec![
+            file.to_str().unwrap(),
+            "--run-dir",
+            out.to_str().unwrap(),
+            "--gen-lengths",
+            LONG_TAIL,
+            "--checkpoint-every",
+            "0",
+            "--steps",
+            "6",
+        ];
+        args.extend_from_slice(extra);
+        launch_run(4, &args, Duration::from_secs(900))
+    };
+    let (a, b, c) = (dir.join("on"), dir.join("off"), dir.join("prefill"));
+    let on_run = run(&on, &a, &[]);
+    let off_run = run(&off, &b, &["--reallocate", "off"]);
+    let prefill_run = run(&on, &c, &["--migrate-with", "prefill"]);
+    let _ = std::fs::remove_file(&on);
+    let _ = std::fs::remove_file(&off);
+    for (ok, stderr) in [&on_run, &off_run, &prefill_run] {
+        assert!(ok, "{stderr}");
+    }
+    assert!(
+        on_run.1.contains("migrating generate(policy)'s tail"),
+        "{}",
+        on_run.1
+    );
+    let (with, without, refilled) = (metrics(&a), metrics(&b), metrics(&c));
+    assert_eq!(with.len(), 6);
+    assert!(
+        refilled
+            .iter()
+            .any(|m| num(m, "migrate/prefill_tokens") > 0.0)
+    );
+    for m in &with {
+        assert_eq!(num(m, "migrate/happened"), 1.0, "step {}", m["step"]);
+    }
+    let moved: f64 = with.iter().map(|m| num(m, "migrate/samples")).sum();
+    assert!(moved > 0.0, "no sample moved");
+    assert!(
+        without
+            .iter()
+            .all(|m| !m.contains_key("migrate/reallocated"))
+    );
+    for (x, y) in with.iter().zip(without.iter()) {
+        assert_eq!(num(x, "response_length"), num(y, "response_length"));
+        assert!(close(num(x, "reward_mean"), num(y, "reward_mean")));
+    }
+    let texts = |d: &Path| std::fs::read_to_string(d.join("samples.jsonl")).unwrap();
+    let (tw, to, tp) = (texts(&a), texts(&b), texts(&c));
+    assert!(!tw.is_empty());
+    for other in [&to, &tp] {
+        assert_eq!(tw.lines().count(), other.lines().count());
+        for (x, y) in tw.lines().zip(other.lines()) {
+            let (x, y): (serde_json::Value, serde_json::Value) = (
+                serde_json::from_str(x).unwrap(),
+                serde_json::from_str(y).unwrap(),
+            );
+            assert_eq!(x["completion"], y["completion"]);
+        }
+    }
+    let sum = |k: &str| with.iter().map(|m| num(m, k)).sum::<f64>();
+    eprintln!(
+        "tensor-parallel tail: {} samples moved, {} bytes, {} reallocated in 6 steps",
+        sum("migrate/samples"),
+        sum("migrate/bytes"),
+        sum("migrate/reallocated")
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -50,9 +50,12 @@ pub(super) struct Comm {
     /// Per (model, share, generation replica): the group of a tensor-parallel copy this rank
     /// holds, one per copy (copies are used by different threads).
     tps: BTreeMap<TpCopy, ProcessGroup>,
-    /// Per (generate, this rank, peer): the group of two a migrating tail travels on between
-    /// a kept and a released replica (`tail_pairs`).
+    /// Per (generate, this rank, peer): the group of two samples travel on between two of its
+    /// replicas, migrating or reallocated (`tail_pairs`).
     tails: BTreeMap<(NodeId, usize, usize), ProcessGroup>,
+    /// Per generate: the group of this rank's tensor-parallel replica, on which its first
+    /// rank tells the others what the replica does with its samples (`tail_deciders`).
+    deciders: BTreeMap<NodeId, ProcessGroup>,
     /// A connection of its own to the run's store, for the generation threads' counters.
     counter: Option<crate::dist::Store>,
 }
@@ -71,6 +74,7 @@ impl Comm {
             streams: BTreeMap::new(),
             tps: BTreeMap::new(),
             tails: BTreeMap::new(),
+            deciders: BTreeMap::new(),
             counter: None,
         }
     }
@@ -95,6 +99,7 @@ impl Comm {
             streams: BTreeMap::new(),
             tps: BTreeMap::new(),
             tails: BTreeMap::new(),
+            deciders: BTreeMap::new(),
             counter: None,
         };
         for members in mesh_groups(exec) {
@@ -117,11 +122,17 @@ impl Comm {
             }
         }
         let pairs = tail_pairs(exec);
-        for &(generate, kept, released) in &pairs {
-            if comm.rank == kept || comm.rank == released {
-                let g = world.subgroup(&[kept, released])?;
-                let peer = if comm.rank == kept { released } else { kept };
+        for &(generate, a, b) in &pairs {
+            if comm.rank == a || comm.rank == b {
+                let g = world.subgroup(&[a, b])?;
+                let peer = if comm.rank == a { b } else { a };
                 comm.tails.insert((generate, comm.rank, peer), g);
+            }
+        }
+        for (generate, members) in tail_deciders(exec) {
+            if members.contains(&comm.rank) {
+                let g = world.subgroup(&members)?;
+                comm.deciders.insert(generate, g);
             }
         }
         if !pairs.is_empty() {
@@ -232,6 +243,16 @@ impl Comm {
         self.tails.insert((generate, rank, peer), g);
     }
 
+    /// The group of this rank's replica of tensor-parallel generation `generate`, for the
+    /// generation thread (given back with `put_decider`).
+    pub(super) fn take_decider(&mut self, generate: NodeId) -> Option<ProcessGroup> {
+        self.deciders.remove(&generate)
+    }
+
+    pub(super) fn put_decider(&mut self, generate: NodeId, g: ProcessGroup) {
+        self.deciders.insert(generate, g);
+    }
+
     /// The store connection for migration counters.
     pub(super) fn counter(&self) -> Result<crate::dist::Store> {
         self.counter
@@ -260,6 +281,7 @@ impl Comm {
         self.streams.clear();
         self.tps.clear();
         self.tails.clear();
+        self.deciders.clear();
         if let Some(world) = self.world.take() {
             world.shutdown()?;
         }
@@ -661,45 +683,67 @@ pub fn stream_pairs(exec: &ExecPlan) -> Vec<(NodeId, usize, usize)> {
     out
 }
 
-/// Whether the runtime migrates generation `generate`'s tail: the plan decided it, and each of
-/// its data-parallel replicas is one rank (the runtime does not migrate tensor-parallel
-/// replicas' samples).
-pub fn migrates(exec: &ExecPlan, generate: NodeId) -> bool {
-    exec.decisions.migrations.contains_key(&generate)
-        && exec
-            .placement(generate)
-            .is_some_and(|p| p.tp <= 1 && p.pp <= 1 && p.dp >= 2)
+/// Whether generation `generate`'s replicas may hand samples to one another at run time: it
+/// has data-parallel replicas (of any tensor-parallel width; the runtime generates without
+/// pipeline stages).
+pub fn reallocates(exec: &ExecPlan, generate: NodeId) -> bool {
+    matches!(
+        exec.plan.graph.node(generate).map(|n| &n.op),
+        Some(Op::Generate { .. })
+    ) && exec
+        .placement(generate)
+        .is_some_and(|p| p.pp <= 1 && p.dp >= 2)
 }
 
-/// Per `generate` whose tail the runtime migrates, the (kept, released) pairs of ranks its
-/// samples may travel between: for every number of kept instances from 1 to the plan's (the
-/// runtime re-chooses it), released replica `r` pairs with kept replica `r mod kept`. In plan
-/// order, each pair once.
+/// Whether the runtime migrates generation `generate`'s tail: the plan decided it, and its
+/// replicas may exchange samples (`reallocates`).
+pub fn migrates(exec: &ExecPlan, generate: NodeId) -> bool {
+    exec.decisions.migrations.contains_key(&generate) && reallocates(exec, generate)
+}
+
+/// Per `generate` whose replicas may exchange samples (`reallocates`), the pairs of ranks its
+/// samples travel between: rank `t` of one replica with rank `t` of every other (a sample's
+/// cache shard, and its copy of the sample, go from one tensor rank to the same one). In
+/// plan order, each pair once, the lower rank first.
 pub fn tail_pairs(exec: &ExecPlan) -> Vec<(NodeId, usize, usize)> {
     let g = &exec.plan.graph;
     let mut out = Vec::new();
     for id in g.topo_order().unwrap_or_else(|| g.node_ids()) {
-        let (Some(gp), Some(m)) = (exec.placement(id), exec.decisions.migrations.get(&id)) else {
+        let Some(gp) = exec.placement(id).filter(|_| reallocates(exec, id)) else {
             continue;
         };
-        if !migrates(exec, id) {
-            continue;
-        }
         let dp = gp.dp as usize;
         let mut pairs = Vec::new();
-        for kept in 1..=(m.to_instances as usize).min(dp - 1) {
-            for r in kept..dp {
-                let pair = (
-                    replica_tp_ranks(gp, r % kept)[0],
-                    replica_tp_ranks(gp, r)[0],
-                );
-                if !pairs.contains(&pair) {
-                    pairs.push(pair);
+        for a in 0..dp {
+            for b in a + 1..dp {
+                let (ra, rb) = (replica_tp_ranks(gp, a), replica_tp_ranks(gp, b));
+                for (x, y) in ra.into_iter().zip(rb) {
+                    pairs.push((x.min(y), x.max(y)));
                 }
             }
         }
         pairs.sort_unstable();
+        pairs.dedup();
         out.extend(pairs.into_iter().map(|(k, r)| (id, k, r)));
+    }
+    out
+}
+
+/// Per `generate` whose tensor-parallel replicas may exchange samples, the ranks of each
+/// replica: the group its first rank tells the others what the replica does next on.
+pub fn tail_deciders(exec: &ExecPlan) -> Vec<(NodeId, Vec<usize>)> {
+    let g = &exec.plan.graph;
+    let mut out = Vec::new();
+    for id in g.topo_order().unwrap_or_else(|| g.node_ids()) {
+        let Some(gp) = exec.placement(id).filter(|_| reallocates(exec, id)) else {
+            continue;
+        };
+        if gp.tp <= 1 {
+            continue;
+        }
+        for k in 0..gp.dp as usize {
+            out.push((id, replica_tp_ranks(gp, k)));
+        }
     }
     out
 }

@@ -1,22 +1,37 @@
-//! Long-tail migration at run time (the second half of RLHFuse's inter-stage fusion): once no
-//! more than `R_t` samples of a generation are still decoding anywhere, the replicas the plan
-//! releases hand their unfinished samples to the replicas it keeps, and the released ranks'
-//! cores go to the streamed inference the plan placed on them.
+//! Samples moving between the data-parallel replicas of a generation at run time: long-tail
+//! migration (the second half of RLHFuse's inter-stage fusion) and sample reallocation
+//! (RLHFSpec).
 //!
-//! How the ranks agree without a collective: every generating replica adds the samples it
-//! finishes to one counter in the run's store (`Store::add`), and reads it back after any step
-//! in which it finished samples or holds no more than `R_t` itself (the global count can be at
-//! most `R_t` only then: every sample a replica holds is unfinished). A released replica that
-//! sees the count at `R_t` or below (or has nothing left) sends its unfinished samples — each
-//! with its random stream's state and its tokens so far, its KV cache row or nothing, in which
-//! case the receiver prefills the prompt and tokens again — to the kept replica it is paired
-//! with, and relays them back as they finish there, so that the rest of the executor sees each
-//! sample come from the replica that owns it (the streaming routes, the gathers and the
-//! metrics stay as they are). A kept replica that sees the count at `R_t` or below takes the
-//! samples of every replica paired with it (those see the same count by their next step), and
-//! waits for that moment when it runs out of samples of its own. A migrated sample continues
-//! with the same generator state and the same cache, so its text is the one it would have had
-//! where it started.
+//! **Migration.** Once no more than `R_t` samples are still decoding anywhere, the replicas the
+//! plan releases (`kept..`) hand their unfinished samples to the replicas it keeps (released
+//! replica `r` to kept replica `r mod kept`), and the released ranks' cores go to the streamed
+//! inference the plan placed on them. **Reallocation.** Before that, a kept replica (every
+//! replica, in a generation that does not migrate) that runs out of samples asks the replica
+//! holding the most for some; that one gives half when the cost model says splitting them
+//! pays (`Realloc::donation`).
+//!
+//! How the ranks agree without a collective over the world: every replica adds the samples it
+//! finishes to one counter in the run's store (`Store::add`) and keeps its load (samples held)
+//! in another; it reads the finished count back after any step in which it finished samples
+//! or holds no more than `R_t` itself (the global count can be at most `R_t` only then: every
+//! sample a replica holds is unfinished). A request for samples is a numbered entry on the
+//! donor's request counter, answered in the store with the count it gives (then the samples
+//! follow over the two replicas' group); a replica that stops taking requests adds a large
+//! constant to its counter, so that a request made after it is seen as refused and every one
+//! made before is answered. Nobody waits on a peer that has not committed to the matching send:
+//! an asker polls for its answer, a kept replica receives a released one's tail only once the
+//! counter says that one will send it by its next step.
+//!
+//! Every sample keeps its owner, the replica that generated its prompt: where it finishes
+//! elsewhere, the replica holding it posts it to the store for its owner, which emits it as if
+//! it had finished there — so the streaming routes, the gathers and the metrics stay as they
+//! are. A sample moves with its generator state and its cache (or is prefilled again where it
+//! lands), so its text is the one it would have had where it started.
+//!
+//! A tensor-parallel replica takes part as one: its first rank reads and writes the counters
+//! and decides, after every step, what the replica does next, and tells its other ranks over
+//! the replica's group; each tensor rank sends its shard of a sample's cache (and its copy of
+//! the sample) to the same tensor rank of the other replica.
 
 use std::collections::BTreeMap;
 use std::sync::mpsc;
@@ -28,47 +43,109 @@ use crate::dist::{ProcessGroup, Store};
 use crate::error::{Error, Result};
 use crate::generation::engine::{Generation, Migrant, Sample};
 
-use super::values::{finish_code, finish_of};
+use super::values::{decode_samples, encode_samples};
 
-/// One generation's migration, as this rank takes part in it.
+/// One generation's sample exchange, as this rank takes part in it.
 pub(super) struct Tail {
-    /// The counter of finished samples (a connection of its own: the generation thread uses
-    /// it).
+    /// The run's store (a connection of its own: the generation thread uses it).
     pub(super) counter: Store,
+    /// This exchange's keys' prefix (one per generation and iteration).
     pub(super) key: String,
     /// Samples in the generation, over every replica.
     pub(super) total: usize,
-    /// Migrate when no more than this many are unfinished.
+    /// Migrate when no more than this many are unfinished (0: this iteration does not).
     pub(super) threshold: usize,
     /// Started samples take their KV cache along (else they are prefilled again).
     pub(super) kv: bool,
-    pub(super) role: Role,
-    /// This rank.
-    pub(super) rank: usize,
-    /// Whether giving samples to an idle kept replica before the tail pays.
-    pub(super) realloc: Realloc,
+    /// This rank's replica, and the number of replicas.
+    pub(super) me: usize,
+    pub(super) replicas: usize,
+    /// Replicas `0..kept` keep their samples at the tail; `kept..` release theirs.
+    pub(super) kept: usize,
+    /// This rank's tensor rank in its replica (0 decides for the replica).
+    pub(super) tp_rank: usize,
+    /// Per other replica: its rank of this tensor rank, and the group of two to it.
+    pub(super) peers: BTreeMap<usize, (usize, ProcessGroup)>,
+    /// The replica's group, when it is tensor-parallel.
+    pub(super) decider: Option<ProcessGroup>,
+    /// What decides reallocation before the tail (`None`: reallocation is off).
+    pub(super) realloc: Option<Realloc>,
+    /// The longest this rank waits for a peer without anything happening.
+    pub(super) timeout: Duration,
 }
 
 impl Tail {
-    /// The counter of released replica `rank`'s unfinished samples.
-    fn load_key(&self, rank: usize) -> String {
-        format!("{}/load/{rank}", self.key)
+    fn done_key(&self) -> String {
+        format!("{}/done", self.key)
     }
 
-    /// The counter of requests for samples made to released replica `rank`.
-    fn ask_key(&self, rank: usize) -> String {
-        format!("{}/ask/{rank}", self.key)
+    /// Samples replica `r` holds (its load).
+    fn load_key(&self, r: usize) -> String {
+        format!("{}/load/{r}", self.key)
+    }
+
+    /// Requests made to replica `r` (plus `CLOSED` once it takes no more).
+    fn ask_key(&self, r: usize) -> String {
+        format!("{}/ask/{r}", self.key)
+    }
+
+    /// Who made request `seq` to replica `r`.
+    fn asker_key(&self, r: usize, seq: i64) -> String {
+        format!("{}/ask/{r}/{seq}", self.key)
+    }
+
+    /// Replica `r`'s answer to request `seq`: the samples it gives, plus one (0: not yet).
+    fn reply_key(&self, r: usize, seq: i64) -> String {
+        format!("{}/reply/{r}/{seq}", self.key)
+    }
+
+    /// Finished samples posted for tensor rank `t` of their owner, replica `r`.
+    fn back_key(&self, r: usize, t: usize) -> String {
+        format!("{}/back/{r}/{t}", self.key)
+    }
+
+    fn back_item(&self, r: usize, t: usize, seq: i64) -> String {
+        format!("{}/back/{r}/{t}/{seq}", self.key)
+    }
+
+    /// The replicas that hand their tails to this one.
+    fn partners(&self) -> Vec<usize> {
+        if self.threshold == 0 || self.me >= self.kept {
+            return Vec::new();
+        }
+        (self.kept..self.replicas)
+            .filter(|r| r % self.kept == self.me)
+            .collect()
+    }
+
+    fn group(&self, r: usize) -> Result<&ProcessGroup> {
+        self.peers.get(&r).map(|(_, g)| g).ok_or_else(|| {
+            Error::invalid(
+                "migration",
+                format!("replica {}: no group to replica {r}", self.me),
+            )
+        })
+    }
+
+    fn rank_of(&self, r: usize) -> usize {
+        self.peers.get(&r).map_or(usize::MAX, |(rank, _)| *rank)
     }
 }
 
-/// What a message of migrants is: samples given before the tail on request, or a tail.
+/// A migrant and its owner (the replica that generated its prompt).
+type Owned = (Migrant, usize);
+
+/// Added to a replica's request counter when it takes no more requests.
+const CLOSED: i64 = 1 << 40;
+
+/// What a message of migrants is: samples given on request, or a released replica's tail.
 const GIFT: i64 = 0;
 const TAIL: i64 = 1;
 
 /// The cost model's view of sample reallocation (RLHFSpec) for one generation: before the
-/// tail, a kept replica that has run out of samples asks the paired replica with the most for
-/// some, which gives half of them when its own decode steps over the work expected to remain,
-/// against its and the receiver's steps side by side plus the hand-over, say so.
+/// tail, a replica that has run out of samples asks the one holding the most for some, which
+/// gives half of them when its own decode steps over the work expected to remain, against its
+/// and the receiver's steps side by side plus the hand-over, say so.
 #[derive(Clone, Debug)]
 pub(crate) struct Realloc {
     pub(super) cost: braid_cost::cost::CostModel,
@@ -163,255 +240,540 @@ impl Realloc {
     }
 }
 
-/// What this rank's replica does when the tail migrates.
-pub(super) enum Role {
-    /// Keeps its samples and takes those of the replicas paired with it: their ranks and the
-    /// groups of two to them.
-    Keeps(Vec<(usize, ProcessGroup)>),
-    /// Hands its unfinished samples to the replica on this rank (over this group of two),
-    /// then relays them back as they finish.
-    Releases(usize, Box<ProcessGroup>),
+/// What a replica does after a step, as its first rank decided.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Action {
+    /// Decode on (or look again, when it holds nothing).
+    Step,
+    /// Look again in a moment (holding nothing, waiting for an answer or a tail).
+    Wait,
+    /// Hand every unfinished sample to the kept replica this one is paired with.
+    Release,
+    /// Give `count` samples to replica `to`, which asked.
+    Give { to: usize, count: usize },
+    /// Take the tails of the released replicas paired with this one.
+    TakeTails,
+    /// Take the samples replica `from` said it gives.
+    TakeGift { from: usize },
+    /// This replica's part is over (its own samples may still come back from elsewhere).
+    Done,
 }
 
-/// What migration did on this rank.
+impl Action {
+    fn encode(self) -> [i64; 3] {
+        match self {
+            Action::Step => [0, 0, 0],
+            Action::Wait => [1, 0, 0],
+            Action::Release => [2, 0, 0],
+            Action::Give { to, count } => [3, to as i64, count as i64],
+            Action::TakeTails => [4, 0, 0],
+            Action::TakeGift { from } => [5, from as i64, 0],
+            Action::Done => [6, 0, 0],
+        }
+    }
+
+    fn decode(a: &[i64]) -> Result<Action> {
+        let arg = |i: usize| usize::try_from(a.get(i).copied().unwrap_or(-1)).ok();
+        Ok(match (a.first().copied(), arg(1), arg(2)) {
+            (Some(0), ..) => Action::Step,
+            (Some(1), ..) => Action::Wait,
+            (Some(2), ..) => Action::Release,
+            (Some(3), Some(to), Some(count)) => Action::Give { to, count },
+            (Some(4), ..) => Action::TakeTails,
+            (Some(5), Some(from), _) => Action::TakeGift { from },
+            (Some(6), ..) => Action::Done,
+            _ => {
+                return Err(Error::invalid(
+                    "migration",
+                    format!("the replica's first rank sent an unknown step {a:?}"),
+                ));
+            }
+        })
+    }
+}
+
+/// What a replica's first rank keeps track of to decide.
+struct Lead {
+    /// Requests to this replica answered so far.
+    answered: i64,
+    /// Replicas that gave nothing when asked (not asked again in this generation).
+    declined: Vec<bool>,
+    /// The request this replica waits on an answer to: the donor and the request's number.
+    asking: Option<(usize, i64)>,
+    /// The load last written to the store.
+    reported: i64,
+    /// Takes no more requests.
+    closed: bool,
+    /// When something last happened (for the timeout on waits).
+    progress: Instant,
+    /// The world's unfinished samples last read.
+    global: usize,
+}
+
+impl Lead {
+    /// Takes no more requests: answers every one made before with nothing and clears the
+    /// load.
+    fn close(&mut self, t: &Tail) -> Result<()> {
+        if self.closed {
+            return Ok(());
+        }
+        let made = t.counter.add(&t.ask_key(t.me), CLOSED)? - CLOSED;
+        for seq in self.answered + 1..=made {
+            t.counter.add(&t.reply_key(t.me, seq), 1)?;
+        }
+        self.answered = made.max(self.answered);
+        t.counter.add(&t.load_key(t.me), -self.reported)?;
+        self.reported = 0;
+        self.closed = true;
+        Ok(())
+    }
+
+    /// What the replica does next, after a step that finished `finished` of its samples.
+    fn decide(
+        &mut self,
+        t: &Tail,
+        engine: &Generation<'_>,
+        finished: usize,
+        tails_done: bool,
+    ) -> Result<Action> {
+        let local = engine.pending();
+        let load = local as i64;
+        if load != self.reported && !self.closed {
+            t.counter.add(&t.load_key(t.me), load - self.reported)?;
+            self.reported = load;
+        }
+        if finished > 0 || local <= t.threshold {
+            let done = t.counter.add(&t.done_key(), finished as i64)?;
+            let global = t.total.saturating_sub(usize::try_from(done).unwrap_or(0));
+            if global != self.global {
+                self.progress = Instant::now();
+            }
+            self.global = global;
+        }
+        let global = self.global;
+        let releases = t.me >= t.kept;
+        if releases && (global <= t.threshold || local == 0) {
+            self.close(t)?;
+            return Ok(Action::Release);
+        }
+        // Answer the next request, if one was made.
+        if let Some(r) = t.realloc.as_ref().filter(|_| !self.closed) {
+            let asks = t.counter.add(&t.ask_key(t.me), 0)?;
+            if asks > self.answered {
+                let seq = self.answered + 1;
+                let who = t.counter.get(&t.asker_key(t.me, seq), t.timeout)?;
+                let to = std::str::from_utf8(&who)
+                    .ok()
+                    .and_then(|w| w.parse::<usize>().ok())
+                    .filter(|&w| w < t.replicas && w != t.me)
+                    .ok_or_else(|| {
+                        Error::invalid("migration", format!("request {seq}: no asker"))
+                    })?;
+                let count = if local >= 2 {
+                    r.donation(local, &engine.running_lengths(), t.kv)
+                } else {
+                    0
+                };
+                t.counter.add(&t.reply_key(t.me, seq), count as i64 + 1)?;
+                self.answered = seq;
+                self.progress = Instant::now();
+                if count > 0 {
+                    return Ok(Action::Give { to, count });
+                }
+            }
+        }
+        if releases {
+            return Ok(Action::Step);
+        }
+        if let Some((donor, seq)) = self.asking {
+            let answer = t.counter.add(&t.reply_key(donor, seq), 0)?;
+            if answer == 0 {
+                self.check_waited(t, &format!("an answer from replica {donor}"))?;
+                return Ok(if local > 0 {
+                    Action::Step
+                } else {
+                    Action::Wait
+                });
+            }
+            self.asking = None;
+            self.progress = Instant::now();
+            if answer > 1 {
+                return Ok(Action::TakeGift { from: donor });
+            }
+            self.declined[donor] = true;
+        }
+        if t.threshold > 0 && global <= t.threshold && !tails_done {
+            return Ok(Action::TakeTails);
+        }
+        if local > 0 {
+            return Ok(Action::Step);
+        }
+        // Out of samples: ask the replica holding the most (which gives some if the cost
+        // model says it pays).
+        if t.realloc.is_some() {
+            let mut busiest: Option<(usize, i64)> = None;
+            for x in (0..t.replicas).filter(|&x| x != t.me && !self.declined[x]) {
+                let load = t.counter.add(&t.load_key(x), 0)?;
+                if load >= 2 && busiest.is_none_or(|b| load > b.1) {
+                    busiest = Some((x, load));
+                }
+            }
+            if let Some((x, _)) = busiest {
+                let seq = t.counter.add(&t.ask_key(x), 1)?;
+                if seq > CLOSED {
+                    self.declined[x] = true;
+                } else {
+                    t.counter
+                        .set(&t.asker_key(x, seq), t.me.to_string().as_bytes())?;
+                    self.asking = Some((x, seq));
+                    self.progress = Instant::now();
+                }
+                return Ok(Action::Wait);
+            }
+        }
+        if !tails_done {
+            self.check_waited(t, "the tail's threshold")?;
+            return Ok(Action::Wait);
+        }
+        self.close(t)?;
+        Ok(Action::Done)
+    }
+
+    /// Fails when nothing happened for longer than the timeout while waiting for `what`.
+    fn check_waited(&self, t: &Tail, what: &str) -> Result<()> {
+        if self.progress.elapsed() > t.timeout {
+            return Err(Error::invalid(
+                "migration",
+                format!(
+                    "replica {} waited {:.0} s for {what} with nothing moving (a peer is stuck \
+                     or gone)",
+                    t.me,
+                    t.timeout.as_secs_f64()
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// What migration and reallocation did on this rank.
 #[derive(Clone, Debug, Default)]
 pub(super) struct TailStats {
     /// Seconds from the start of generation to the migration (`None`: it did not happen).
     pub(super) at: Option<f64>,
-    /// Seconds spent sending or receiving the samples (and building their cache rows).
+    /// Seconds spent sending or receiving the tail (and building its cache rows).
     pub(super) seconds: f64,
     /// Samples a released replica handed over, and their bytes (KV caches, prompts, tokens
     /// and log-probabilities).
     pub(super) samples: usize,
     pub(super) bytes: usize,
-    /// Samples a kept replica took, and their bytes (each counted once over the world).
+    /// Samples a kept replica took (each counted once over the world: on the replica's first
+    /// rank), and the bytes this rank received.
     pub(super) received: usize,
     pub(super) received_bytes: usize,
-    /// Tokens the kept replica had to prefill again (samples moved without their cache).
+    /// Tokens a replica had to prefill again (samples moved without their cache).
     pub(super) prefill_tokens: usize,
     /// This rank's replica kept its samples (else it released them).
     pub(super) kept: bool,
-    /// Samples a kept replica was given before the tail, a released one gave, and the seconds
-    /// those hand-overs took.
+    /// Samples this replica was given before the tail, and gave, and the seconds those
+    /// hand-overs took.
     pub(super) reallocated: usize,
     pub(super) given: usize,
     pub(super) realloc_seconds: f64,
 }
 
-/// The groups of two a tail used, by peer rank, handed back after the generation.
-pub(super) type TailGroups = Vec<(usize, ProcessGroup)>;
+/// The groups an exchange used, handed back after the generation: per peer rank, the group of
+/// two, and the replica's group.
+#[derive(Default)]
+pub(super) struct TailGroups {
+    pub(super) peers: Vec<(usize, ProcessGroup)>,
+    pub(super) decider: Option<ProcessGroup>,
+}
 
-/// Runs generation `engine` to the end on this thread, sending each finished sample (numbered
-/// `prompt × n + sample`, its prompt index made the batch's) to `tx`, and migrating its tail
-/// when `tail` says so. Returns the generation's seconds, what migration did, and the groups.
+/// What every rank of a replica tracks of the exchange.
+struct Held {
+    /// Samples held here that belong to another replica: by number, their owner.
+    owners: BTreeMap<usize, usize>,
+    /// This replica's own samples finishing elsewhere, and how many have come back.
+    away: usize,
+    seen: i64,
+}
+
+impl Held {
+    /// Emits a finished sample: to this rank's consumers when it is this replica's own, else
+    /// to the store for its owner. `false`: nobody listens any more.
+    fn finish(
+        &mut self,
+        t: Option<&Tail>,
+        slot: usize,
+        s: Sample,
+        tx: &mpsc::Sender<Result<(usize, Sample)>>,
+    ) -> Result<bool> {
+        match (t, self.owners.remove(&slot)) {
+            (Some(t), Some(owner)) if owner != t.me => {
+                let seq = t.counter.add(&t.back_key(owner, t.tp_rank), 1)? - 1;
+                t.counter.set(
+                    &t.back_item(owner, t.tp_rank, seq),
+                    &encode_samples(&[(slot, s)]),
+                )?;
+                Ok(true)
+            }
+            _ => Ok(tx.send(Ok((slot, s))).is_ok()),
+        }
+    }
+
+    /// Emits the samples of this replica that finished elsewhere and were posted since the
+    /// last look. Returns how many; `None`: nobody listens any more.
+    fn collect(
+        &mut self,
+        t: &Tail,
+        tx: &mpsc::Sender<Result<(usize, Sample)>>,
+    ) -> Result<Option<usize>> {
+        if self.away == 0 {
+            return Ok(Some(0));
+        }
+        let posted = t.counter.add(&t.back_key(t.me, t.tp_rank), 0)?;
+        let mut got = 0;
+        while self.seen < posted {
+            let key = t.back_item(t.me, t.tp_rank, self.seen);
+            let bytes = t.counter.get(&key, t.timeout)?;
+            // Its space in the store back: each is read once.
+            t.counter.set(&key, &[])?;
+            self.seen += 1;
+            for (slot, s) in decode_samples(&bytes)? {
+                self.away = self.away.saturating_sub(1);
+                got += 1;
+                if tx.send(Ok((slot, s))).is_err() {
+                    return Ok(None);
+                }
+            }
+        }
+        Ok(Some(got))
+    }
+
+    /// Takes migrants in: their owners noted, this replica's own counted back.
+    fn adopt(
+        &mut self,
+        t: &Tail,
+        engine: &mut Generation<'_>,
+        moved: Vec<Owned>,
+        n: usize,
+        stats: &mut TailStats,
+    ) -> Result<usize> {
+        let count = moved.len();
+        let mut migrants = Vec::with_capacity(count);
+        for (m, owner) in moved {
+            if owner == t.me {
+                self.away = self.away.saturating_sub(1);
+            } else {
+                self.owners
+                    .insert(m.batch_index * n + m.sample_index, owner);
+            }
+            if m.kv.is_none() && !m.tokens.is_empty() {
+                stats.prefill_tokens += m.prompt.len() + m.tokens.len() - 1;
+            }
+            migrants.push(m);
+        }
+        engine.adopt(migrants)?;
+        Ok(count)
+    }
+
+    /// The owners of migrants about to leave (each forgotten here; this replica's own counted
+    /// away).
+    fn owners_of(&mut self, t: &Tail, moving: &[Migrant], n: usize) -> Vec<usize> {
+        moving
+            .iter()
+            .map(|m| {
+                let owner = self
+                    .owners
+                    .remove(&(m.batch_index * n + m.sample_index))
+                    .unwrap_or(t.me);
+                if owner == t.me {
+                    self.away += 1;
+                }
+                owner
+            })
+            .collect()
+    }
+}
+
+/// Runs generation `engine` to the end on this thread, sending each finished sample of this
+/// replica (numbered `prompt × n + sample`, its prompt index made the batch's) to `tx`,
+/// exchanging samples with the other replicas when `tail` says so. Returns what the exchange
+/// did and the groups it used.
 pub(super) fn run(
     mut engine: Generation<'_>,
-    mut tail: Option<Tail>,
+    tail: Option<Tail>,
     n: usize,
     tx: &mpsc::Sender<Result<(usize, Sample)>>,
     t0: Instant,
 ) -> Result<(TailStats, TailGroups)> {
     let mut stats = TailStats {
-        kept: matches!(tail.as_ref().map(|t| &t.role), Some(Role::Keeps(_))),
+        kept: tail.as_ref().is_none_or(|t| t.me < t.kept),
         ..TailStats::default()
     };
-    // Released: handed over; kept: every paired replica's tail taken.
-    let mut migrated = false;
-    // Adopted samples by number: the index in `Keeps` of the replica they go back to.
-    let mut owners: BTreeMap<usize, usize> = BTreeMap::new();
-    let peers = match tail.as_ref().map(|t| &t.role) {
-        Some(Role::Keeps(p)) => p.len(),
-        _ => 0,
+    let mut held = Held {
+        owners: BTreeMap::new(),
+        away: 0,
+        seen: 0,
     };
-    // Kept: per paired replica, whether its tail arrived (it relays what comes back only
-    // after handing its tail over), the finished samples held for it until then, and
-    // whether it declined a request.
-    let mut tail_in = vec![false; peers];
-    let mut held: Vec<Vec<(usize, Sample)>> = (0..peers).map(|_| Vec::new()).collect();
-    let mut declined = vec![false; peers];
-    // Released: requests answered, and samples given before the tail.
-    let mut answered = 0i64;
-    let mut given = 0usize;
-    if let Some(t) = &tail
-        && matches!(t.role, Role::Releases(..))
-    {
-        t.counter
-            .add(&t.load_key(t.rank), engine.pending() as i64)?;
-    }
+    let Some(t) = tail else {
+        while engine.pending() > 0 {
+            for mut s in engine.step()? {
+                s.prompt_index = engine.batch_index(s.prompt_index);
+                let slot = s.prompt_index * n + s.sample_index;
+                if !held.finish(None, slot, s, tx)? {
+                    break;
+                }
+            }
+        }
+        return Ok((stats, TailGroups::default()));
+    };
+    let mut lead = (t.tp_rank == 0).then(|| Lead {
+        answered: 0,
+        declined: vec![false; t.replicas],
+        asking: None,
+        reported: 0,
+        closed: false,
+        progress: Instant::now(),
+        global: usize::MAX,
+    });
+    let partners = t.partners();
+    let mut tails_in: BTreeMap<usize, bool> = partners.iter().map(|&r| (r, false)).collect();
+    let mut finished = 0usize;
+    // The replica's part: decode, and do what its first rank decides after each step.
     loop {
-        let pending = engine.pending();
-        let waiting_for_tail = tail.as_ref().is_some_and(|t| match &t.role {
-            Role::Keeps(p) => !migrated && !p.is_empty(),
-            Role::Releases(..) => !migrated,
-        });
-        if pending == 0 && !waiting_for_tail {
-            break;
-        }
-        let done = if pending > 0 {
-            engine.step()?
-        } else {
-            Vec::new()
+        let tails_done = tails_in.values().all(|x| *x);
+        let action = match lead.as_mut() {
+            Some(l) => l.decide(&t, &engine, finished, tails_done)?,
+            None => Action::Step,
         };
-        let finished = done.len();
-        for mut s in done {
-            s.prompt_index = engine.batch_index(s.prompt_index);
-            let slot = s.prompt_index * n + s.sample_index;
-            match (owners.get(&slot), tail.as_ref().map(|t| &t.role)) {
-                (Some(&k), Some(Role::Keeps(p))) => {
-                    if tail_in[k] {
-                        send_sample(&p[k].1, slot, &s)?;
-                    } else {
-                        held[k].push((slot, s));
-                    }
-                }
-                _ => {
-                    if tx.send(Ok((slot, s))).is_err() {
-                        // The step failed elsewhere: stop generating.
-                        return Ok((stats, give_back(tail)));
+        let action = share(&t, action)?;
+        finished = 0;
+        match action {
+            Action::Step => {
+                if engine.pending() > 0 {
+                    let done = engine.step()?;
+                    finished = done.len();
+                    for mut s in done {
+                        s.prompt_index = engine.batch_index(s.prompt_index);
+                        let slot = s.prompt_index * n + s.sample_index;
+                        if !held.finish(Some(&t), slot, s, tx)? {
+                            return Ok((stats, give_back(t)));
+                        }
                     }
                 }
             }
-        }
-        let Some(t) = tail.as_mut().filter(|_| !migrated) else {
-            continue;
-        };
-        let local = engine.pending();
-        // The world's unfinished samples, read when they can be at the threshold.
-        let mut global = usize::MAX;
-        if finished > 0 || local <= t.threshold {
-            let done_so_far = t.counter.add(&t.key, finished as i64)?;
-            global = t
-                .total
-                .saturating_sub(usize::try_from(done_so_far).unwrap_or(0));
-        }
-        match &t.role {
-            Role::Releases(_, g) => {
-                if finished > 0 {
-                    t.counter.add(&t.load_key(t.rank), -(finished as i64))?;
-                }
-                if global <= t.threshold || local == 0 {
-                    let start = Instant::now();
-                    stats.at = Some(start.duration_since(t0).as_secs_f64());
-                    let moving = engine.release(t.kv)?;
-                    stats.samples = moving.len();
-                    stats.bytes += send_migrants(g, &moving, TAIL)?;
-                    stats.seconds = start.elapsed().as_secs_f64();
-                    migrated = true;
-                    // Each comes back once it finishes where it went.
-                    for _ in 0..moving.len() + given {
-                        let (slot, s) = recv_sample(g, n)?;
-                        if tx.send(Ok((slot, s))).is_err() {
-                            break;
-                        }
-                    }
-                    continue;
-                }
-                // The kept replica ran out of samples and asks for some of these.
-                let asks = t.counter.add(&t.ask_key(t.rank), 0)?;
-                if asks > answered {
-                    answered = asks;
-                    let start = Instant::now();
-                    let d = t.realloc.donation(local, &engine.running_lengths(), t.kv);
-                    let moving = engine.release_some(d, t.kv)?;
-                    stats.bytes += send_migrants(g, &moving, GIFT)?;
-                    stats.realloc_seconds += start.elapsed().as_secs_f64();
-                    t.counter.add(&t.load_key(t.rank), -(moving.len() as i64))?;
-                    given += moving.len();
-                    stats.given += moving.len();
-                }
-            }
-            Role::Keeps(p) => {
-                let layout = engine.kv_layout();
-                let mut take = |k: usize,
-                                engine: &mut Generation<'_>,
-                                stats: &mut TailStats|
-                 -> Result<(usize, bool)> {
-                    let (moved, kind, bytes) = recv_migrants(&p[k].1, layout)?;
-                    stats.received_bytes += bytes;
-                    for m in &moved {
-                        owners.insert(m.batch_index * n + m.sample_index, k);
-                        if m.kv.is_none() && !m.tokens.is_empty() {
-                            stats.prefill_tokens += m.prompt.len() + m.tokens.len() - 1;
-                        }
-                    }
-                    let count = moved.len();
-                    engine.adopt(moved)?;
-                    Ok((count, kind == TAIL))
-                };
-                if global <= t.threshold {
-                    let start = Instant::now();
-                    stats.at = Some(start.duration_since(t0).as_secs_f64());
-                    for k in 0..p.len() {
-                        if tail_in[k] {
-                            continue;
-                        }
-                        let (count, is_tail) = take(k, &mut engine, &mut stats)?;
-                        if !is_tail {
-                            return Err(Error::invalid(
-                                "migration",
-                                format!("rank {} sent samples nobody asked for", p[k].0),
-                            ));
-                        }
-                        stats.received += count;
-                        tail_in[k] = true;
-                        for (slot, s) in held[k].drain(..) {
-                            send_sample(&p[k].1, slot, &s)?;
-                        }
-                    }
-                    stats.seconds = start.elapsed().as_secs_f64();
-                    migrated = true;
-                    continue;
-                }
-                if local > 0 {
-                    continue;
-                }
-                // Out of samples before the tail: ask the paired replica with the most
-                // unfinished ones (which gives some if the cost model says it pays).
-                let mut busiest: Option<(usize, i64)> = None;
-                for k in (0..p.len()).filter(|&k| !tail_in[k] && !declined[k]) {
-                    let load = t.counter.add(&t.load_key(p[k].0), 0)?;
-                    if load >= 2 && busiest.is_none_or(|b| load > b.1) {
-                        busiest = Some((k, load));
-                    }
-                }
-                let Some((k, _)) = busiest else {
-                    std::thread::sleep(Duration::from_millis(1));
-                    continue;
-                };
+            Action::Wait => std::thread::sleep(Duration::from_millis(1)),
+            Action::Release => {
                 let start = Instant::now();
-                t.counter.add(&t.ask_key(p[k].0), 1)?;
-                let (count, is_tail) = take(k, &mut engine, &mut stats)?;
-                if is_tail {
-                    // It had reached its own hand-over: this is its tail.
-                    stats
-                        .at
-                        .get_or_insert(start.duration_since(t0).as_secs_f64());
-                    stats.received += count;
-                    tail_in[k] = true;
-                    for (slot, s) in held[k].drain(..) {
-                        send_sample(&p[k].1, slot, &s)?;
-                    }
-                    if tail_in.iter().all(|x| *x) {
-                        migrated = true;
-                    }
-                } else {
-                    stats.reallocated += count;
-                    stats.realloc_seconds += start.elapsed().as_secs_f64();
-                    if count == 0 {
-                        declined[k] = true;
-                    }
-                }
+                stats.at = Some(start.duration_since(t0).as_secs_f64());
+                let moving = engine.release(t.kv)?;
+                let owners = held.owners_of(&t, &moving, n);
+                stats.samples = moving.len();
+                let to = t.me % t.kept.max(1);
+                stats.bytes += send_migrants(t.group(to)?, &moving, &owners, TAIL)?;
+                stats.seconds = start.elapsed().as_secs_f64();
+                break;
             }
+            Action::Give { to, count } => {
+                let start = Instant::now();
+                let moving = engine.release_some(count, t.kv)?;
+                let owners = held.owners_of(&t, &moving, n);
+                stats.bytes += send_migrants(t.group(to)?, &moving, &owners, GIFT)?;
+                stats.given += moving.len();
+                stats.realloc_seconds += start.elapsed().as_secs_f64();
+            }
+            Action::TakeTails => {
+                let start = Instant::now();
+                stats.at = Some(start.duration_since(t0).as_secs_f64());
+                for &r in &partners {
+                    if tails_in.get(&r).copied().unwrap_or(true) {
+                        continue;
+                    }
+                    let (moved, kind, bytes) = recv_migrants(t.group(r)?, engine.kv_layout())?;
+                    if kind != TAIL {
+                        return Err(Error::invalid(
+                            "migration",
+                            format!("rank {} sent samples nobody asked for", t.rank_of(r)),
+                        ));
+                    }
+                    stats.received += held.adopt(&t, &mut engine, moved, n, &mut stats)?;
+                    stats.received_bytes += bytes;
+                    tails_in.insert(r, true);
+                }
+                stats.seconds = start.elapsed().as_secs_f64();
+            }
+            Action::TakeGift { from } => {
+                let start = Instant::now();
+                let (moved, kind, bytes) = recv_migrants(t.group(from)?, engine.kv_layout())?;
+                if kind != GIFT {
+                    return Err(Error::invalid(
+                        "migration",
+                        format!(
+                            "rank {} sent its tail where it was asked for samples",
+                            t.rank_of(from)
+                        ),
+                    ));
+                }
+                stats.reallocated += held.adopt(&t, &mut engine, moved, n, &mut stats)?;
+                stats.received_bytes += bytes;
+                stats.realloc_seconds += start.elapsed().as_secs_f64();
+            }
+            Action::Done => break,
+        }
+        if held.collect(&t, tx)?.is_none() {
+            return Ok((stats, give_back(t)));
         }
     }
-    Ok((stats, give_back(tail)))
+    // This replica's samples still finishing elsewhere come back through the store.
+    let mut progress = Instant::now();
+    while held.away > 0 {
+        match held.collect(&t, tx)? {
+            None => break,
+            Some(0) => {
+                if progress.elapsed() > t.timeout {
+                    return Err(Error::invalid(
+                        "migration",
+                        format!(
+                            "replica {}: {} of its samples did not come back within {:.0} s",
+                            t.me,
+                            held.away,
+                            t.timeout.as_secs_f64()
+                        ),
+                    ));
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            Some(_) => progress = Instant::now(),
+        }
+    }
+    if t.tp_rank > 0 {
+        // Samples counted once per replica, on its first rank; bytes on every rank (each
+        // moves its own shard of the caches).
+        stats.samples = 0;
+        stats.received = 0;
+        stats.prefill_tokens = 0;
+        stats.reallocated = 0;
+        stats.given = 0;
+    }
+    Ok((stats, give_back(t)))
 }
 
-fn give_back(tail: Option<Tail>) -> TailGroups {
-    match tail.map(|t| t.role) {
-        Some(Role::Keeps(peers)) => peers,
-        Some(Role::Releases(peer, g)) => vec![(peer, *g)],
-        None => Vec::new(),
+/// The first rank's action, told to the replica's other ranks (the same action everywhere).
+fn share(t: &Tail, action: Action) -> Result<Action> {
+    let Some(g) = &t.decider else {
+        return Ok(action);
+    };
+    let mut msg = Tensor::from_slice(&action.encode());
+    g.broadcast(&mut msg, 0)?;
+    Action::decode(&ints(&msg)?)
+}
+
+fn give_back(t: Tail) -> TailGroups {
+    TailGroups {
+        peers: t.peers.into_values().collect(),
+        decider: t.decider,
     }
 }
 
@@ -452,14 +814,18 @@ fn ints(t: &Tensor) -> Result<Vec<i64>> {
 }
 
 /// Sends migrants over a group of two: a count and what they are (`GIFT` or `TAIL`), then per
-/// migrant a header (batch index,
-/// sample, prompt and token counts, generator state, cache length or -1) and its parts.
-/// Returns the bytes sent.
-fn send_migrants(g: &ProcessGroup, moving: &[Migrant], kind: i64) -> Result<usize> {
+/// migrant a header (batch index, sample, prompt and token counts, generator state, cache
+/// length or -1, owner) and its parts. Returns the bytes sent.
+fn send_migrants(
+    g: &ProcessGroup,
+    moving: &[Migrant],
+    owners: &[usize],
+    kind: i64,
+) -> Result<usize> {
     let to = peer(g);
     g.send(&Tensor::from_slice(&[moving.len() as i64, kind]), to, 0)?;
     let mut bytes = 16;
-    for m in moving {
+    for (m, owner) in moving.iter().zip(owners) {
         let kv_len =
             m.kv.as_ref()
                 .and_then(|(k, _)| k.first())
@@ -471,10 +837,11 @@ fn send_migrants(g: &ProcessGroup, moving: &[Migrant], kind: i64) -> Result<usiz
             m.tokens.len() as i64,
             m.rng as i64,
             kv_len,
+            *owner as i64,
         ];
         g.send(&Tensor::from_slice(&header), to, 1)?;
         g.send(&Tensor::from_slice(&m.prompt), to, 2)?;
-        bytes += 48 + 8 * m.prompt.len();
+        bytes += 56 + 8 * m.prompt.len();
         if !m.tokens.is_empty() {
             g.send(&Tensor::from_slice(&m.tokens), to, 3)?;
             g.send(&Tensor::from_slice(&m.logprobs), to, 4)?;
@@ -492,11 +859,11 @@ fn send_migrants(g: &ProcessGroup, moving: &[Migrant], kind: i64) -> Result<usiz
 }
 
 /// Receives what `send_migrants` sent, the caches as `layout` (layers, key/value heads, head
-/// width, kind) says. Returns them, what they are, and the bytes received.
+/// width, kind) says. Returns them with their owners, what they are, and the bytes received.
 fn recv_migrants(
     g: &ProcessGroup,
     (layers, kv_heads, head_dim, kind): (usize, i64, i64, Kind),
-) -> Result<(Vec<Migrant>, i64, usize)> {
+) -> Result<(Vec<Owned>, i64, usize)> {
     let from = peer(g);
     let cpu = tch::Device::Cpu;
     let mut head = Tensor::zeros([2], (Kind::Int64, cpu));
@@ -512,13 +879,13 @@ fn recv_migrants(
     let mut out = Vec::with_capacity(count as usize);
     let mut bytes = 16;
     for _ in 0..count {
-        let mut header = Tensor::zeros([6], (Kind::Int64, cpu));
+        let mut header = Tensor::zeros([7], (Kind::Int64, cpu));
         g.recv(&mut header, from, 1)?;
         let h = ints(&header)?;
         let (plen, ntok, kv_len) = (h[2].max(0), h[3].max(0), h[5]);
         let mut prompt = Tensor::zeros([plen], (Kind::Int64, cpu));
         g.recv(&mut prompt, from, 2)?;
-        bytes += 48 + 8 * plen as usize;
+        bytes += 56 + 8 * plen as usize;
         let mut tokens = Tensor::zeros([ntok], (Kind::Int64, cpu));
         let mut logprobs = Tensor::zeros([ntok], (Kind::Float, cpu));
         if ntok > 0 {
@@ -542,79 +909,20 @@ fn recv_migrants(
         } else {
             None
         };
-        out.push(Migrant {
-            batch_index: h[0].max(0) as usize,
-            sample_index: h[1].max(0) as usize,
-            prompt: ints(&prompt)?,
-            tokens: ints(&tokens)?,
-            logprobs: Vec::<f32>::try_from(&logprobs).map_err(Error::Torch)?,
-            rng: h[4] as u64,
-            kv,
-        });
+        out.push((
+            Migrant {
+                batch_index: h[0].max(0) as usize,
+                sample_index: h[1].max(0) as usize,
+                prompt: ints(&prompt)?,
+                tokens: ints(&tokens)?,
+                logprobs: Vec::<f32>::try_from(&logprobs).map_err(Error::Torch)?,
+                rng: h[4] as u64,
+                kv,
+            },
+            h[6].max(0) as usize,
+        ));
     }
     Ok((out, what, bytes))
-}
-
-/// Sends one finished sample (numbered `slot`) to the other rank of a group of two: a header
-/// (number, token count, log-prob count, text bytes, how it finished), then each part that is
-/// not empty.
-pub(super) fn send_sample(g: &ProcessGroup, slot: usize, sample: &Sample) -> Result<()> {
-    let to = peer(g);
-    let header = Tensor::from_slice(&[
-        slot as i64,
-        sample.token_ids.len() as i64,
-        sample.logprobs.len() as i64,
-        sample.text.len() as i64,
-        finish_code(&sample.finish),
-    ]);
-    g.send(&header, to, 10)?;
-    if !sample.token_ids.is_empty() {
-        g.send(&Tensor::from_slice(&sample.token_ids), to, 11)?;
-    }
-    if !sample.logprobs.is_empty() {
-        g.send(&Tensor::from_slice(&sample.logprobs), to, 12)?;
-    }
-    if !sample.text.is_empty() {
-        g.send(&Tensor::from_slice(sample.text.as_bytes()), to, 13)?;
-    }
-    Ok(())
-}
-
-/// Receives what `send_sample` sent: the sample's number and the sample (`n` samples per
-/// prompt), exactly as the engine produced it.
-pub(super) fn recv_sample(g: &ProcessGroup, n: usize) -> Result<(usize, Sample)> {
-    let from = peer(g);
-    let cpu = tch::Device::Cpu;
-    let mut header = Tensor::zeros([5], (Kind::Int64, cpu));
-    g.recv(&mut header, from, 10)?;
-    let h = ints(&header)?;
-    let (slot, ntok, nlp, ntext) = (h[0].max(0), h[1].max(0), h[2].max(0), h[3].max(0));
-    let mut ids = Tensor::zeros([ntok], (Kind::Int64, cpu));
-    if ntok > 0 {
-        g.recv(&mut ids, from, 11)?;
-    }
-    let mut lps = Tensor::zeros([nlp], (Kind::Float, cpu));
-    if nlp > 0 {
-        g.recv(&mut lps, from, 12)?;
-    }
-    let mut text = Tensor::zeros([ntext], (Kind::Uint8, cpu));
-    if ntext > 0 {
-        g.recv(&mut text, from, 13)?;
-    }
-    let slot = slot as usize;
-    let text: Vec<u8> = Vec::<u8>::try_from(&text).map_err(Error::Torch)?;
-    Ok((
-        slot,
-        Sample {
-            prompt_index: slot / n.max(1),
-            sample_index: slot % n.max(1),
-            token_ids: ints(&ids)?,
-            logprobs: Vec::<f32>::try_from(&lps).map_err(Error::Torch)?,
-            text: String::from_utf8(text)
-                .map_err(|e| Error::invalid("generation", format!("a sample's text: {e}")))?,
-            finish: finish_of(h[4]),
-        },
-    ))
 }
 
 impl super::Executor<'_> {
@@ -634,6 +942,11 @@ impl super::Executor<'_> {
             return Ok(());
         };
         let t = &stats.tail;
+        if state.planned.is_none() {
+            // Reallocation only: the plan does not migrate this generation.
+            m.insert("migrate/reallocated".into(), t.reallocated as f64);
+            return Ok(());
+        }
         match state.current {
             Some(ch) => {
                 m.insert("migrate/threshold".into(), ch.threshold as f64);
@@ -680,84 +993,101 @@ impl super::Executor<'_> {
                 end: g0 + at + t.seconds,
             });
         }
-        if state.pinned {
+        let Some(planned) = state.planned.filter(|_| !state.pinned) else {
             return Ok(());
-        }
+        };
         let Some(tuner) = self.options.tail_tuner.clone() else {
             return Ok(());
         };
         let lengths: Vec<u64> = rollout.lengths().iter().map(|&l| l as u64).collect();
-        let next = (tuner.0)(id, &lengths, state.planned.kept)
+        let next = (tuner.0)(id, &lengths, planned.kept)
             .map_err(|e| Error::invalid("migration", format!("re-choosing R_t: {e}")))?;
         if let Some(s) = self.tails.get_mut(&id) {
             s.current = next.map(|(threshold, kept)| super::TailChoice {
                 threshold,
-                kept: kept.clamp(1, s.planned.kept),
+                kept: kept.clamp(1, planned.kept),
             });
         }
         Ok(())
     }
 }
 
-/// The generations whose tails this run migrates (`comm::migrates`) with the plan's choice
-/// (and what decides reallocation before the tail):
-/// started samples carry their KV cache when `kv` says so, or, by default, when the cost
-/// model finds sending the plan's tail cheaper than prefilling it again.
+/// The generations whose replicas exchange samples (`comm::reallocates`), with the plan's
+/// migration choice (`None` where it does not migrate) and what decides reallocation before
+/// the tail (`None` when `realloc` is off): started samples carry their KV cache when `kv`
+/// says so, or, by default, when the cost model finds sending the plan's tail (or half a
+/// replica's samples, without migration) cheaper than prefilling it again.
 pub(super) fn tail_states(
     exec: &braid_ir::exec_plan::ExecPlan,
     kv: Option<bool>,
     gen_lengths: bool,
+    realloc: bool,
 ) -> Result<BTreeMap<braid_ir::graph::NodeId, super::TailState>> {
     use braid_ir::graph::Op;
     let mut out = BTreeMap::new();
-    for (id, m) in &exec.decisions.migrations {
-        if !super::comm::migrates(exec, *id) {
+    for id in exec.plan.graph.node_ids() {
+        if !super::comm::reallocates(exec, id) {
             continue;
         }
-        let Some(Op::Generate { model, params }) = exec.plan.graph.node(*id).map(|n| &n.op) else {
+        let Some(Op::Generate { model, params }) = exec.plan.graph.node(id).map(|n| &n.op) else {
             continue;
         };
         let Some(shape) = exec.shapes.get(*model as usize) else {
             continue;
         };
+        let m = exec.decisions.migrations.get(&id);
+        if m.is_none() && !realloc {
+            continue;
+        }
         // A draft model's cache would have to move with the samples (`--gen-lengths` turns
         // speculation off).
         if !gen_lengths
             && matches!(
-                exec.speculation(*id),
+                exec.speculation(id),
                 braid_ir::graph::Speculation::Draft { .. }
             )
         {
-            return Err(Error::invalid(
-                "plan",
-                format!(
-                    "{id} migrates its tail and drafts with a draft model, whose cache does not \
-                     migrate; pin `migrate off` or another `speculate` mode"
-                ),
-            ));
+            if m.is_some() {
+                return Err(Error::invalid(
+                    "plan",
+                    format!(
+                        "{id} migrates its tail and drafts with a draft model, whose cache does \
+                         not migrate; pin `migrate off` or another `speculate` mode"
+                    ),
+                ));
+            }
+            // Said at start by `braid run`: no reallocation for it.
+            continue;
         }
         let max_new = params.max_new_tokens.max(1) as u64;
+        let dp = exec.placement(id).map_or(1, |p| p.dp.max(1));
+        let moving = match m {
+            Some(m) => m.threshold,
+            None => super::comm::generation_size(exec, id)
+                .map_or(1, |(p, n)| (p * n) as u64 / dp / 2)
+                .max(1),
+        };
         let kv = kv.unwrap_or_else(|| {
             carry_kv(
                 &exec.cluster.cost_model(),
                 shape,
-                m.threshold,
+                moving,
                 exec.workload.prompt_len + max_new / 2,
                 exec.cluster.nodes > 1,
             )
         });
-        let planned = super::TailChoice {
+        let planned = m.map(|m| super::TailChoice {
             threshold: m.threshold,
             kept: m.to_instances,
-        };
+        });
         out.insert(
-            *id,
+            id,
             super::TailState {
-                current: Some(planned),
+                current: planned,
                 planned,
-                pinned: m.pinned,
+                pinned: m.is_some_and(|m| m.pinned),
                 kv,
-                realloc: Realloc::for_plan(exec, shape, max_new, exec.seed),
+                realloc: realloc.then(|| Realloc::for_plan(exec, shape, max_new, exec.seed)),
             },
         );
     }

@@ -67,7 +67,8 @@ mod values;
 
 use comm::Comm;
 pub use comm::{
-    DistOptions, all_gather_bytes, mesh_groups, migrates, prompt_block, stream_pairs, tail_pairs,
+    DistOptions, all_gather_bytes, mesh_groups, migrates, prompt_block, reallocates, stream_pairs,
+    tail_deciders, tail_pairs,
 };
 use compute::*;
 pub use record::fingerprint;
@@ -101,6 +102,8 @@ pub struct RunOptions {
     /// How migrated samples travel: with their KV cache (`Some(true)`), prefilled again where
     /// they land (`Some(false)`), or as the cost model prefers for the plan's devices (`None`).
     pub migrate_kv: Option<bool>,
+    /// No sample reallocation between a generation's replicas (`braid run --reallocate off`).
+    pub no_realloc: bool,
     /// Re-chooses a migrating generation's threshold and kept instances from the lengths its
     /// last iteration produced (`None`: the plan's choice throughout).
     pub tail_tuner: Option<TailTuner>,
@@ -124,17 +127,20 @@ impl std::fmt::Debug for TailTuner {
     }
 }
 
-/// A generation's long-tail migration as the run goes: the plan's choice, then what the
-/// observed lengths choose (unless `migrate below` pinned it).
+/// How a generation's replicas exchange samples as the run goes: its long-tail migration (the
+/// plan's choice, then what the observed lengths choose, unless `migrate below` pinned it) and
+/// reallocation.
 #[derive(Clone, Debug)]
 pub(super) struct TailState {
     /// This iteration's choice (`None`: it does not migrate).
     pub(super) current: Option<TailChoice>,
-    pub(super) planned: TailChoice,
+    /// The plan's choice (`None`: the plan does not migrate this generation).
+    pub(super) planned: Option<TailChoice>,
     pub(super) pinned: bool,
     /// Started samples travel with their KV cache (else they are prefilled again).
     pub(super) kv: bool,
-    pub(super) realloc: migrate::Realloc,
+    /// What decides reallocation before the tail (`None`: off).
+    pub(super) realloc: Option<migrate::Realloc>,
 }
 
 /// Migrate when no more than `threshold` samples are unfinished, onto `kept` instances.
@@ -353,7 +359,7 @@ pub struct Executor<'p> {
     /// Per model call: the copies (model, share) whose last use in an iteration it is, released
     /// after the transfers that follow it (a reshard refills them before their next use).
     release_after: BTreeMap<NodeId, Vec<(usize, Share)>>,
-    /// Per generation whose plan migrates its tail (and whose replicas are single ranks).
+    /// Per generation whose replicas exchange samples (`comm::reallocates`).
     tails: BTreeMap<NodeId, TailState>,
     /// Migrations started so far (each counts its finished samples under a key of its own).
     tail_round: u64,

@@ -248,6 +248,7 @@ impl<'p> Executor<'p> {
         }
         let options_kv = options.migrate_kv;
         let gen_lengths = options.gen_lengths.is_some();
+        let realloc = !options.no_realloc;
         let mut ex = Executor {
             exec,
             plan,
@@ -268,7 +269,7 @@ impl<'p> Executor<'p> {
             timeline: Vec::new(),
             infer_pipes: BTreeMap::new(),
             release_after: BTreeMap::new(),
-            tails: migrate::tail_states(exec, options_kv, gen_lengths)?,
+            tails: migrate::tail_states(exec, options_kv, gen_lengths, realloc)?,
             tail_round: 0,
         };
         ex.connect_pipelines()?;

@@ -15,7 +15,8 @@ use super::*;
 use crate::dist::ProcessGroup;
 use braid_ir::exec_plan::Placement;
 use comm::{prompt_block, replica_tp_ranks, sample_block, sample_source};
-use migrate::{Role, Tail, TailGroups, TailStats};
+use migrate::{Tail, TailGroups, TailStats};
+use std::time::Duration;
 
 impl<'p> Executor<'p> {
     /// Generates a rollout; the nodes that read it directly run on micro-batches of finished
@@ -244,7 +245,7 @@ impl<'p> Executor<'p> {
         let (tx, rx) = mpsc::channel::<Result<(usize, Sample)>>();
         // Samples this rank generates that other ranks need go to one sending thread per peer.
         let mut out_tx: BTreeMap<usize, mpsc::Sender<(usize, Arc<Sample>)>> = BTreeMap::new();
-        let mut tail_groups: TailGroups = Vec::new();
+        let mut tail_groups = TailGroups::default();
         let result: Result<(Peers, Peers)> = std::thread::scope(|scope| {
             let mut senders = Vec::new();
             for (dst, group) in send_groups {
@@ -277,7 +278,7 @@ impl<'p> Executor<'p> {
                         .and_then(|g| migrate::run(g, tail, n, &tx, t_gen));
                     let (ts, groups) = out.unwrap_or_else(|e| {
                         let _ = tx.send(Err(e));
-                        (TailStats::default(), Vec::new())
+                        (TailStats::default(), TailGroups::default())
                     });
                     (t_gen.elapsed().as_secs_f64(), ts, groups)
                 })
@@ -449,7 +450,10 @@ impl<'p> Executor<'p> {
             Ok((sent, received))
         });
         drop(stream_guard);
-        for (peer, g) in tail_groups {
+        if let Some(g) = tail_groups.decider {
+            self.comm.put_decider(id, g);
+        }
+        for (peer, g) in tail_groups.peers {
             self.comm.put_tail(id, rank, peer, g);
         }
         let (sent, received) = result?;
@@ -527,10 +531,10 @@ impl<'p> Executor<'p> {
         Ok((rollout, streamed, stats))
     }
 
-    /// This rank's part in migrating the tail of generation `id` (on `gp`, `prompts` prompts,
-    /// `total` samples) this iteration, when the current choice migrates it and this rank
-    /// generates: kept replica `k` takes the samples of released replicas `r` with
-    /// `r mod kept = k`.
+    /// This rank's part in the sample exchange of generation `id` (on `gp`, `prompts` prompts,
+    /// `total` samples) this iteration: its tail migrates when the current choice says so
+    /// (released replica `r` to kept replica `r mod kept`), and samples are reallocated
+    /// before it unless reallocation is off.
     fn tail(
         &mut self,
         id: NodeId,
@@ -538,45 +542,63 @@ impl<'p> Executor<'p> {
         prompts: usize,
         total: usize,
     ) -> Result<Option<Tail>> {
-        let Some(choice) = self.tails.get(&id).cloned() else {
-            return Ok(None);
-        };
-        let Some(ch) = choice.current else {
+        let Some(state) = self.tails.get(&id).cloned() else {
             return Ok(None);
         };
         let dp = gp.dp.max(1) as usize;
-        let kept = (ch.kept as usize).clamp(1, dp);
         // Every replica must generate something to take part (a batch of fewer prompts than
-        // replicas leaves some idle: those do not migrate).
-        if kept >= dp || (0..dp).any(|k| prompt_block(prompts, dp, k).is_empty()) {
+        // replicas leaves some idle: those do not exchange samples).
+        if dp < 2 || (0..dp).any(|k| prompt_block(prompts, dp, k).is_empty()) {
             return Ok(None);
         }
-        let Some(me) = gp.coords(self.comm.rank as u64).map(|c| c.dp as usize) else {
+        let (threshold, kept) = match state.current {
+            Some(ch) if (ch.kept as usize) < dp && ch.threshold > 0 => {
+                (ch.threshold as usize, (ch.kept as usize).max(1))
+            }
+            _ => (0, dp),
+        };
+        if threshold == 0 && state.realloc.is_none() {
+            return Ok(None);
+        }
+        let rank = self.comm.rank;
+        let Some(c) = gp.coords(rank as u64) else {
             return Ok(None);
         };
-        let rank = self.comm.rank;
-        let rank_of = |k: usize| replica_tp_ranks(gp, k)[0];
-        let role = if me < kept {
-            let mut peers = Vec::new();
-            for r in (kept..dp).filter(|r| r % kept == me) {
-                let pr = rank_of(r);
-                peers.push((pr, self.comm.take_tail(id, rank, pr)?));
-            }
-            Role::Keeps(peers)
+        let (me, tp_rank) = (c.dp as usize, c.tp as usize);
+        let mut peers = BTreeMap::new();
+        for r in (0..dp).filter(|&r| r != me) {
+            let pr = replica_tp_ranks(gp, r)[tp_rank];
+            peers.insert(r, (pr, self.comm.take_tail(id, rank, pr)?));
+        }
+        let decider = if gp.tp > 1 {
+            Some(self.comm.take_decider(id).ok_or_else(|| {
+                Error::invalid(
+                    "plan",
+                    format!("rank {rank}: no replica group for {id}'s sample exchange"),
+                )
+            })?)
         } else {
-            let to = rank_of(me % kept);
-            Role::Releases(to, Box::new(self.comm.take_tail(id, rank, to)?))
+            None
         };
         self.tail_round += 1;
         Ok(Some(Tail {
             counter: self.comm.counter()?,
             key: format!("braid/tail/{}/{id}", self.tail_round),
             total,
-            threshold: ch.threshold as usize,
-            kv: choice.kv,
-            role,
-            rank,
-            realloc: choice.realloc.clone(),
+            threshold,
+            kv: state.kv,
+            me,
+            replicas: dp,
+            kept,
+            tp_rank,
+            peers,
+            decider,
+            realloc: state.realloc.clone(),
+            timeout: self
+                .options
+                .dist
+                .as_ref()
+                .map_or(Duration::from_secs(600), |d| d.timeout),
         }))
     }
 }
