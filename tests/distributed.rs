@@ -517,6 +517,61 @@ fn mixed_tensor_and_pipeline_layouts_on_4_ranks_give_the_one_process_metrics() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A call streamed under generation whose layout differs from the generation's (`logprobs`
+/// dp 4 under generation tp 2 × dp 2, the planner's choice with only the generation pinned)
+/// gets the trained weights before it streams: its reshard from the generation's copy runs
+/// before the generation, not after it (where the plan orders it). Every step computes what
+/// one process does.
+#[test]
+fn a_call_streamed_under_generation_in_another_layout_gets_the_trained_weights() {
+    let dir = tmp("stream-reshard");
+    let src = std::fs::read_to_string("examples/ppo_tiny.rlhf").unwrap();
+    let file = Path::new("examples").join(format!(".stream-reshard-{}.rlhf", std::process::id()));
+    std::fs::write(
+        &file,
+        format!("{src}\ncluster {{ cpus: 4 }}\n\nschedule {{\n  place generate(policy) on 0..4 tp 2\n}}\n"),
+    )
+    .unwrap();
+    let (one, four) = (dir.join("one"), dir.join("four"));
+    let out = run_one(&[
+        "examples/ppo_tiny.rlhf",
+        "--run-dir",
+        one.to_str().unwrap(),
+        "--steps",
+        "3",
+    ]);
+    let (ok, stderr) = launch_run(
+        4,
+        &[
+            file.to_str().unwrap(),
+            "--run-dir",
+            four.to_str().unwrap(),
+            "--steps",
+            "3",
+        ],
+        Duration::from_secs(600),
+    );
+    let _ = std::fs::remove_file(&file);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(ok, "{stderr}");
+    let plan: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(four.join("plan.json")).unwrap()).unwrap();
+    let streamed_elsewhere = plan["decisions"]["placements"]
+        .as_object()
+        .unwrap()
+        .values()
+        .any(|p| p["tp"] == 1 && p["dp"] == 4);
+    assert!(streamed_elsewhere, "{}", plan["decisions"]["placements"]);
+    let (a, b) = (metrics(&one), metrics(&four));
+    assert_eq!(b.len(), 3);
+    same_metrics(&a, &b, &["response_length"]);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// PPO with generation on rank 0 and the critic and reward model on rank 1 (`place` pins):
 /// the critic's values and the reward model's scores stream from rank 0 to rank 1 sample by
 /// sample under generation, the critic trains on rank 1 and the policy on rank 0, and the
@@ -947,14 +1002,15 @@ fn assert_migrated_and_learned(run: &[serde_json::Map<String, serde_json::Value>
 /// Long-tail migration at run time on 2 ranks: `ppo_tiny` with log-normal output lengths and
 /// `migrate below 25%` hands the last 4 unfinished samples of rank 1 to rank 0 (with their KV
 /// caches), learns, and reports what moved and the share of inference hidden; the same seed
-/// with `migrate off` (samples still reallocated between the replicas when one runs out)
-/// samples the same texts over all 40 steps, as do migrating by re-prefill and `migrate off`
-/// with `--reallocate off` over their 3.
+/// with `migrate off` samples the same texts over all 40 steps, as does `fuse off` (nothing
+/// streamed: a replica that runs out takes samples from the other), and migrating by
+/// re-prefill and `fuse off` with `--reallocate off` over their 3.
 #[test]
 fn ppo_tiny_migrates_its_long_tail_on_2_ranks_and_samples_the_same_texts() {
     let dir = tmp("tail2");
     let on = long_tail_program("tail2-on", 2, "migrate below 25%");
     let off = long_tail_program("tail2-off", 2, "migrate off");
+    let whole = long_tail_program("tail2-whole", 2, "fuse off");
     let run = |file: &Path, out: &Path, extra: &[&str]| {
         let mut args = vec![
             file.to_str().unwrap(),
@@ -968,19 +1024,22 @@ fn ppo_tiny_migrates_its_long_tail_on_2_ranks_and_samples_the_same_texts() {
         args.extend_from_slice(extra);
         launch_run(2, &args, Duration::from_secs(600))
     };
-    let (a, b, c, d) = (
+    let (a, b, c, d, e) = (
         dir.join("on"),
         dir.join("off"),
         dir.join("prefill"),
-        dir.join("unbalanced"),
+        dir.join("whole"),
+        dir.join("alone"),
     );
     let on_run = run(&on, &a, &[]);
     let off_run = run(&off, &b, &[]);
     let prefill_run = run(&on, &c, &["--steps", "3", "--migrate-with", "prefill"]);
-    let alone_run = run(&off, &d, &["--steps", "3", "--reallocate", "off"]);
-    let _ = std::fs::remove_file(&on);
-    let _ = std::fs::remove_file(&off);
-    for (ok, stderr) in [&on_run, &off_run, &prefill_run, &alone_run] {
+    let whole_run = run(&whole, &d, &[]);
+    let alone_run = run(&whole, &e, &["--steps", "3", "--reallocate", "off"]);
+    for f in [&on, &off, &whole] {
+        let _ = std::fs::remove_file(f);
+    }
+    for (ok, stderr) in [&on_run, &off_run, &prefill_run, &whole_run, &alone_run] {
         assert!(ok, "{stderr}");
     }
     assert!(
@@ -988,23 +1047,25 @@ fn ppo_tiny_migrates_its_long_tail_on_2_ranks_and_samples_the_same_texts() {
         "{}",
         on_run.1
     );
-    let (with, without, refilled, unbalanced) =
-        (metrics(&a), metrics(&b), metrics(&c), metrics(&d));
+    let (with, without, refilled, batched, alone) = (
+        metrics(&a),
+        metrics(&b),
+        metrics(&c),
+        metrics(&d),
+        metrics(&e),
+    );
     assert_migrated_and_learned(&with);
     assert!(without.iter().all(|m| !m.contains_key("migrate/happened")));
-    let (kept_only, none) = (
-        without
-            .iter()
-            .map(|m| num(m, "migrate/reallocated"))
-            .sum::<f64>(),
-        unbalanced
-            .iter()
-            .filter(|m| m.contains_key("migrate/reallocated"))
-            .count(),
-    );
-    eprintln!("reallocated without migration: {kept_only} samples in 40 steps");
-    assert!(kept_only > 0.0, "no sample reallocated in 40 steps");
-    assert_eq!(none, 0, "--reallocate off reallocated");
+    // Every rank streams inference under generation: no replica is idle, none asks.
+    assert!(without.iter().all(|m| num(m, "migrate/reallocated") == 0.0));
+    // Without streaming, a replica that ran out takes some of the other's samples.
+    let given = batched
+        .iter()
+        .map(|m| num(m, "migrate/reallocated"))
+        .sum::<f64>();
+    eprintln!("reallocated without streaming: {given} samples in 40 steps");
+    assert!(given > 0.0, "no sample reallocated in 40 steps");
+    assert!(alone.iter().all(|m| !m.contains_key("migrate/reallocated")));
     assert!(
         refilled
             .iter()
@@ -1014,7 +1075,7 @@ fn ppo_tiny_migrates_its_long_tail_on_2_ranks_and_samples_the_same_texts() {
     // The same texts: every step's mean length and the mean and spread of its rewards (over
     // all 16 samples, the migrated ones among them), and the recorded completions (those of
     // the first prompts).
-    for other in [&without, &refilled, &unbalanced] {
+    for other in [&without, &refilled, &batched, &alone] {
         for (x, y) in with.iter().zip(other.iter()) {
             assert_eq!(num(x, "response_length"), num(y, "response_length"));
             assert!(close(num(x, "reward_mean"), num(y, "reward_mean")));
@@ -1033,7 +1094,8 @@ fn ppo_tiny_migrates_its_long_tail_on_2_ranks_and_samples_the_same_texts() {
     assert_eq!(texts(&a, 40).len(), 4 * 40);
     assert_eq!(texts(&a, 40), texts(&b, 40));
     assert_eq!(texts(&a, 3), texts(&c, 3));
-    assert_eq!(texts(&a, 3), texts(&d, 3));
+    assert_eq!(texts(&a, 40), texts(&d, 40));
+    assert_eq!(texts(&a, 3), texts(&e, 3));
     // Samples given to rank 0 before the tail (when it ran out first and the cost model said
     // it pays: how often depends on the ranks' timing) are among those compared.
     let given: f64 = with.iter().map(|m| num(m, "migrate/reallocated")).sum();

@@ -70,6 +70,10 @@ pub(super) struct Tail {
     pub(super) decider: Option<ProcessGroup>,
     /// What decides reallocation before the tail (`None`: reallocation is off).
     pub(super) realloc: Option<Realloc>,
+    /// This replica asks for samples when it runs out: none of its ranks runs inference
+    /// streamed under the generation (a rank that does is not idle; its inference would wait
+    /// for the samples it took).
+    pub(super) asks: bool,
     /// The longest this rank waits for a peer without anything happening.
     pub(super) timeout: Duration,
 }
@@ -155,6 +159,9 @@ pub(crate) struct Realloc {
     /// remains of a sample with `l` tokens is estimated from those above `l`.
     pub(super) lengths: Vec<u64>,
     pub(super) across_nodes: bool,
+    /// Seconds a hand-over took when this rank last gave samples (measured: the send waits
+    /// for the receiver), which stands for the cost model's estimate once there is one.
+    pub(super) handover: Option<f64>,
 }
 
 impl Realloc {
@@ -181,6 +188,7 @@ impl Realloc {
             prompt_len: exec.workload.prompt_len,
             lengths,
             across_nodes: exec.cluster.nodes > 1,
+            handover: None,
         }
     }
 
@@ -199,8 +207,17 @@ impl Realloc {
     }
 
     /// How many of `pending` unfinished samples (the running ones with `running` tokens each,
-    /// the others not started) to give an idle replica: half, when that pays, else none.
-    pub(super) fn donation(&self, pending: usize, running: &[usize], kv: bool) -> usize {
+    /// the others not started) to give an idle replica: half, when that pays, else none. The
+    /// decode steps saved come from `measured` (this generation's own steps, `measured_step`)
+    /// where there is one, else from the cost model; the hand-over's cost from the last one
+    /// measured (`handover`), else from the cost model.
+    pub(super) fn donation(
+        &self,
+        pending: usize,
+        running: &[usize],
+        kv: bool,
+        measured: Option<(f64, f64)>,
+    ) -> usize {
         let give = pending / 2;
         if give == 0 {
             return 0;
@@ -218,7 +235,16 @@ impl Realloc {
             self.cost
                 .decode_step_time(&self.shape, one, b as u64, context)
         };
-        let saved = steps * (step(pending) - step(pending - give).max(step(give)));
+        // Side by side, the longer of the two halves' steps against the whole batch's; with a
+        // measured line `fixed + per_row × rows`, that is `per_row × give` a step, and taking
+        // the samples in costs the receiver about one step's fixed work.
+        let (saved, adopting) = match measured {
+            Some((fixed, per_row)) => (steps * per_row * give as f64, fixed),
+            None => (
+                steps * (step(pending) - step(pending - give).max(step(give))),
+                0.0,
+            ),
+        };
         let d = &self.cost.device;
         let (bw, latency) = if self.across_nodes {
             (d.inter_node_bandwidth, d.inter_node_latency)
@@ -236,8 +262,35 @@ impl Realloc {
                     .cost
                     .prefill_time(&self.shape, one, give as u64, context)
         };
-        if saved > moving { give } else { 0 }
+        let moving = self.handover.unwrap_or(moving);
+        if saved > moving + adopting { give } else { 0 }
     }
+}
+
+/// A decode step's seconds as a line in its rows, `(fixed, per row)`, fitted by least squares
+/// to the plain steps of `log` (a generation's so far); `None` with fewer than 8 steps or rows
+/// too alike to fit.
+pub(super) fn measured_step(log: &[crate::generation::spec::StepRecord]) -> Option<(f64, f64)> {
+    let pts: Vec<(f64, f64)> = log
+        .iter()
+        .filter(|r| r.draft_len == 0 && r.rows > 0)
+        .map(|r| (r.rows as f64, r.secs))
+        .collect();
+    if pts.len() < 8 {
+        return None;
+    }
+    let n = pts.len() as f64;
+    let (mx, my) = (
+        pts.iter().map(|p| p.0).sum::<f64>() / n,
+        pts.iter().map(|p| p.1).sum::<f64>() / n,
+    );
+    let sxx: f64 = pts.iter().map(|p| (p.0 - mx).powi(2)).sum();
+    if sxx < 1.0 {
+        return None;
+    }
+    let per_row = pts.iter().map(|p| (p.0 - mx) * (p.1 - my)).sum::<f64>() / sxx;
+    let per_row = per_row.max(0.0);
+    Some(((my - per_row * mx).max(0.0), per_row))
 }
 
 /// What a replica does after a step, as its first rank decided.
@@ -308,12 +361,36 @@ struct Lead {
     progress: Instant,
     /// The world's unfinished samples last read.
     global: usize,
+    /// Samples finished here and not yet added to the world's count.
+    unreported: usize,
+    /// When the store was last looked at.
+    looked: Instant,
+    /// Seconds this replica's last hand-over of samples took.
+    handover: Option<f64>,
 }
 
+/// How often a decoding replica looks at the store (requests, loads, the finished count).
+const LOOK: Duration = Duration::from_millis(1);
+
 impl Lead {
+    /// Adds the samples finished since the last report to the world's count, and reads it.
+    fn report(&mut self, t: &Tail) -> Result<()> {
+        let done = t.counter.add(&t.done_key(), self.unreported as i64)?;
+        self.unreported = 0;
+        let global = t.total.saturating_sub(usize::try_from(done).unwrap_or(0));
+        if global != self.global {
+            self.progress = Instant::now();
+        }
+        self.global = global;
+        Ok(())
+    }
+
     /// Takes no more requests: answers every one made before with nothing and clears the
-    /// load.
+    /// load (every finished sample reported first).
     fn close(&mut self, t: &Tail) -> Result<()> {
+        if self.unreported > 0 {
+            self.report(t)?;
+        }
         if self.closed {
             return Ok(());
         }
@@ -337,18 +414,21 @@ impl Lead {
         tails_done: bool,
     ) -> Result<Action> {
         let local = engine.pending();
+        self.unreported += finished;
+        // The store is looked at once per `LOOK` while decoding (a tiny model's decode step
+        // is shorter than a round trip to the store), and at every step near the threshold.
+        let look = self.looked.elapsed() >= LOOK || local <= t.threshold || local == 0;
+        if !look {
+            return Ok(Action::Step);
+        }
+        self.looked = Instant::now();
         let load = local as i64;
         if load != self.reported && !self.closed {
             t.counter.add(&t.load_key(t.me), load - self.reported)?;
             self.reported = load;
         }
-        if finished > 0 || local <= t.threshold {
-            let done = t.counter.add(&t.done_key(), finished as i64)?;
-            let global = t.total.saturating_sub(usize::try_from(done).unwrap_or(0));
-            if global != self.global {
-                self.progress = Instant::now();
-            }
-            self.global = global;
+        if self.unreported > 0 || local <= t.threshold {
+            self.report(t)?;
         }
         let global = self.global;
         let releases = t.me >= t.kept;
@@ -370,7 +450,12 @@ impl Lead {
                         Error::invalid("migration", format!("request {seq}: no asker"))
                     })?;
                 let count = if local >= 2 {
-                    r.donation(local, &engine.running_lengths(), t.kv)
+                    let measured = measured_step(engine.step_log());
+                    let r = Realloc {
+                        handover: self.handover.or(r.handover),
+                        ..r.clone()
+                    };
+                    r.donation(local, &engine.running_lengths(), t.kv, measured)
                 } else {
                     0
                 };
@@ -410,7 +495,7 @@ impl Lead {
         }
         // Out of samples: ask the replica holding the most (which gives some if the cost
         // model says it pays).
-        if t.realloc.is_some() {
+        if t.realloc.is_some() && t.asks {
             let mut busiest: Option<(usize, i64)> = None;
             for x in (0..t.replicas).filter(|&x| x != t.me && !self.declined[x]) {
                 let load = t.counter.add(&t.load_key(x), 0)?;
@@ -480,6 +565,8 @@ pub(super) struct TailStats {
     pub(super) reallocated: usize,
     pub(super) given: usize,
     pub(super) realloc_seconds: f64,
+    /// Seconds this replica's last hand-over of samples took (for the next decisions).
+    pub(super) handover: Option<f64>,
 }
 
 /// The groups an exchange used, handed back after the generation: per peer rank, the group of
@@ -637,6 +724,9 @@ pub(super) fn run(
         closed: false,
         progress: Instant::now(),
         global: usize::MAX,
+        unreported: 0,
+        looked: Instant::now(),
+        handover: None,
     });
     let partners = t.partners();
     let mut tails_in: BTreeMap<usize, bool> = partners.iter().map(|&r| (r, false)).collect();
@@ -682,7 +772,12 @@ pub(super) fn run(
                 let owners = held.owners_of(&t, &moving, n);
                 stats.bytes += send_migrants(t.group(to)?, &moving, &owners, GIFT)?;
                 stats.given += moving.len();
-                stats.realloc_seconds += start.elapsed().as_secs_f64();
+                let took = start.elapsed().as_secs_f64();
+                stats.realloc_seconds += took;
+                stats.handover = Some(took);
+                if let Some(l) = lead.as_mut() {
+                    l.handover = Some(took);
+                }
             }
             Action::TakeTails => {
                 let start = Instant::now();
@@ -813,9 +908,14 @@ fn ints(t: &Tensor) -> Result<Vec<i64>> {
     Vec::<i64>::try_from(t).map_err(Error::Torch)
 }
 
-/// Sends migrants over a group of two: a count and what they are (`GIFT` or `TAIL`), then per
-/// migrant a header (batch index, sample, prompt and token counts, generator state, cache
-/// length or -1, owner) and its parts. Returns the bytes sent.
+/// Integers per migrant in the header: batch index, sample, prompt and token counts,
+/// generator state, cache length (-1: none), owner.
+const HEADER: usize = 7;
+
+/// Sends migrants over a group of two in at most four messages whatever their number (each
+/// message costs a round trip): the count, what they are (`GIFT` or `TAIL`) and the sizes of
+/// the rest; every migrant's header, prompt and tokens as one integer tensor; their
+/// log-probabilities as one float tensor; their caches as one tensor. Returns the bytes sent.
 fn send_migrants(
     g: &ProcessGroup,
     moving: &[Migrant],
@@ -823,14 +923,15 @@ fn send_migrants(
     kind: i64,
 ) -> Result<usize> {
     let to = peer(g);
-    g.send(&Tensor::from_slice(&[moving.len() as i64, kind]), to, 0)?;
-    let mut bytes = 16;
+    let mut ints: Vec<i64> = Vec::new();
+    let mut logprobs: Vec<f32> = Vec::new();
+    let mut caches: Vec<Tensor> = Vec::new();
     for (m, owner) in moving.iter().zip(owners) {
         let kv_len =
             m.kv.as_ref()
                 .and_then(|(k, _)| k.first())
                 .map_or(-1, |t| t.size().get(1).copied().unwrap_or(0));
-        let header = [
+        ints.extend_from_slice(&[
             m.batch_index as i64,
             m.sample_index as i64,
             m.prompt.len() as i64,
@@ -838,72 +939,124 @@ fn send_migrants(
             m.rng as i64,
             kv_len,
             *owner as i64,
-        ];
-        g.send(&Tensor::from_slice(&header), to, 1)?;
-        g.send(&Tensor::from_slice(&m.prompt), to, 2)?;
-        bytes += 56 + 8 * m.prompt.len();
-        if !m.tokens.is_empty() {
-            g.send(&Tensor::from_slice(&m.tokens), to, 3)?;
-            g.send(&Tensor::from_slice(&m.logprobs), to, 4)?;
-            bytes += 12 * m.tokens.len();
-        }
+        ]);
+        ints.extend_from_slice(&m.prompt);
+        ints.extend_from_slice(&m.tokens);
+        logprobs.extend_from_slice(&m.logprobs);
         if let Some((keys, values)) = &m.kv
             && kv_len > 0
         {
-            let parts: Vec<Tensor> = keys.iter().chain(values).map(|t| t.reshape([-1])).collect();
-            g.send(&Tensor::cat(&parts, 0), to, 5)?;
-            bytes += m.kv_bytes();
+            caches.extend(keys.iter().chain(values).map(|t| t.reshape([-1])));
         }
+    }
+    let cache = (!caches.is_empty()).then(|| Tensor::cat(&caches, 0));
+    let cache_len = cache.as_ref().map_or(0, |c| c.numel() as i64);
+    let head = [
+        moving.len() as i64,
+        kind,
+        ints.len() as i64,
+        logprobs.len() as i64,
+        cache_len,
+    ];
+    g.send(&Tensor::from_slice(&head), to, 0)?;
+    let mut bytes = 8 * head.len();
+    if !ints.is_empty() {
+        g.send(&Tensor::from_slice(&ints), to, 1)?;
+        bytes += 8 * ints.len();
+    }
+    if !logprobs.is_empty() {
+        g.send(&Tensor::from_slice(&logprobs), to, 2)?;
+        bytes += 4 * logprobs.len();
+    }
+    if let Some(c) = &cache {
+        g.send(c, to, 3)?;
+        bytes += c.numel() * c.kind().elt_size_in_bytes();
     }
     Ok(bytes)
 }
 
 /// Receives what `send_migrants` sent, the caches as `layout` (layers, key/value heads, head
-/// width, kind) says. Returns them with their owners, what they are, and the bytes received.
+/// width, kind) says. Returns them with their owners, what they are, and the bytes received;
+/// sizes that do not add up are an error.
 fn recv_migrants(
     g: &ProcessGroup,
     (layers, kv_heads, head_dim, kind): (usize, i64, i64, Kind),
 ) -> Result<(Vec<Owned>, i64, usize)> {
     let from = peer(g);
+    let bad = |what: String| Error::invalid("migration", format!("rank {from}: {what}"));
     let cpu = tch::Device::Cpu;
-    let mut head = Tensor::zeros([2], (Kind::Int64, cpu));
+    let mut head = Tensor::zeros([5], (Kind::Int64, cpu));
     g.recv(&mut head, from, 0)?;
     let head = ints(&head)?;
-    let (count, what) = (head[0], head[1]);
-    if !(0..=1 << 24).contains(&count) {
-        return Err(Error::invalid(
-            "migration",
-            format!("rank {from} announced {count} samples"),
-        ));
+    let (count, what, n_ints, n_lp, n_cache) = (head[0], head[1], head[2], head[3], head[4]);
+    let limit = 1i64 << 40;
+    if !(0..=1 << 24).contains(&count)
+        || [n_ints, n_lp, n_cache]
+            .iter()
+            .any(|n| !(0..limit).contains(n))
+    {
+        return Err(bad(format!(
+            "announced {count} samples, sizes {n_ints}, {n_lp}, {n_cache}"
+        )));
     }
+    let mut all = Tensor::zeros([n_ints], (Kind::Int64, cpu));
+    if n_ints > 0 {
+        g.recv(&mut all, from, 1)?;
+    }
+    let mut lps = Tensor::zeros([n_lp], (Kind::Float, cpu));
+    if n_lp > 0 {
+        g.recv(&mut lps, from, 2)?;
+    }
+    let mut cache = Tensor::zeros([n_cache], (kind, cpu));
+    if n_cache > 0 {
+        g.recv(&mut cache, from, 3)?;
+    }
+    let bytes =
+        40 + 8 * n_ints as usize + 4 * n_lp as usize + cache.numel() * kind.elt_size_in_bytes();
+    let all = ints(&all)?;
+    let lps = Vec::<f32>::try_from(&lps).map_err(Error::Torch)?;
+    let (mut at, mut lp_at, mut kv_at) = (0usize, 0usize, 0i64);
     let mut out = Vec::with_capacity(count as usize);
-    let mut bytes = 16;
-    for _ in 0..count {
-        let mut header = Tensor::zeros([7], (Kind::Int64, cpu));
-        g.recv(&mut header, from, 1)?;
-        let h = ints(&header)?;
-        let (plen, ntok, kv_len) = (h[2].max(0), h[3].max(0), h[5]);
-        let mut prompt = Tensor::zeros([plen], (Kind::Int64, cpu));
-        g.recv(&mut prompt, from, 2)?;
-        bytes += 56 + 8 * plen as usize;
-        let mut tokens = Tensor::zeros([ntok], (Kind::Int64, cpu));
-        let mut logprobs = Tensor::zeros([ntok], (Kind::Float, cpu));
-        if ntok > 0 {
-            g.recv(&mut tokens, from, 3)?;
-            g.recv(&mut logprobs, from, 4)?;
-            bytes += 12 * ntok as usize;
-        }
+    for i in 0..count {
+        let h = all
+            .get(at..at + HEADER)
+            .ok_or_else(|| bad(format!("sample {i}'s header is cut")))?;
+        let (plen, ntok, kv_len) = (h[2].max(0) as usize, h[3].max(0) as usize, h[5]);
+        let (batch_index, sample_index, rng, owner) = (
+            h[0].max(0) as usize,
+            h[1].max(0) as usize,
+            h[4] as u64,
+            h[6].max(0) as usize,
+        );
+        at += HEADER;
+        let prompt = all
+            .get(at..at + plen)
+            .ok_or_else(|| bad(format!("sample {i}'s prompt is cut")))?
+            .to_vec();
+        at += plen;
+        let tokens = all
+            .get(at..at + ntok)
+            .ok_or_else(|| bad(format!("sample {i}'s tokens are cut")))?
+            .to_vec();
+        at += ntok;
+        let logprobs = lps
+            .get(lp_at..lp_at + ntok)
+            .ok_or_else(|| bad(format!("sample {i}'s log-probabilities are cut")))?
+            .to_vec();
+        lp_at += ntok;
         let kv = if kv_len > 0 {
             let per = kv_heads * kv_len * head_dim;
-            let mut flat = Tensor::zeros([2 * layers as i64 * per], (kind, cpu));
-            g.recv(&mut flat, from, 5)?;
-            bytes += flat.numel() * kind.elt_size_in_bytes();
+            if kv_at + 2 * layers as i64 * per > n_cache {
+                return Err(bad(format!("sample {i}'s cache is cut")));
+            }
             let mut parts: Vec<Tensor> = (0..2 * layers as i64)
-                .map(|i| {
-                    flat.narrow(0, i * per, per)
+                .map(|l| {
+                    cache
+                        .narrow(0, kv_at + l * per, per)
                         .reshape([kv_heads, kv_len, head_dim])
                 })
                 .collect();
+            kv_at += 2 * layers as i64 * per;
             let values = parts.split_off(layers);
             Some((parts, values))
         } else {
@@ -911,15 +1064,15 @@ fn recv_migrants(
         };
         out.push((
             Migrant {
-                batch_index: h[0].max(0) as usize,
-                sample_index: h[1].max(0) as usize,
-                prompt: ints(&prompt)?,
-                tokens: ints(&tokens)?,
-                logprobs: Vec::<f32>::try_from(&logprobs).map_err(Error::Torch)?,
-                rng: h[4] as u64,
+                batch_index,
+                sample_index,
+                prompt,
+                tokens,
+                logprobs,
+                rng,
                 kv,
             },
-            h[6].max(0) as usize,
+            owner,
         ));
     }
     Ok((out, what, bytes))
@@ -942,6 +1095,11 @@ impl super::Executor<'_> {
             return Ok(());
         };
         let t = &stats.tail;
+        if let (Some(h), Some(s)) = (t.handover, self.tails.get_mut(&id))
+            && let Some(r) = s.realloc.as_mut()
+        {
+            r.handover = Some(h);
+        }
         if state.planned.is_none() {
             // Reallocation only: the plan does not migrate this generation.
             m.insert("migrate/reallocated".into(), t.reallocated as f64);
@@ -1108,7 +1266,32 @@ mod tests {
             prompt_len: 128,
             lengths,
             across_nodes: false,
+            handover: None,
         }
+    }
+
+    /// A line through a generation's plain steps: their fixed cost and cost per row; none from
+    /// too few steps or from steps that all had the same rows.
+    #[test]
+    fn measured_steps_fit_a_line_in_the_rows() {
+        use crate::generation::spec::StepRecord;
+        let step = |rows: usize, secs: f64| StepRecord {
+            rows,
+            secs,
+            ..StepRecord::default()
+        };
+        let log: Vec<StepRecord> = (1..=16)
+            .map(|b| step(b, 0.002 + 0.0005 * b as f64))
+            .collect();
+        let (fixed, per_row) = measured_step(&log).unwrap();
+        assert!((fixed - 0.002).abs() < 1e-9 && (per_row - 0.0005).abs() < 1e-9);
+        assert_eq!(measured_step(&log[..7]), None);
+        assert_eq!(measured_step(&vec![step(8, 0.01); 20]), None);
+        let mut drafted = log.clone();
+        for r in &mut drafted {
+            r.draft_len = 4;
+        }
+        assert_eq!(measured_step(&drafted), None);
     }
 
     /// Reallocation pays where splitting the batch shortens the decode steps (half the KV
@@ -1119,13 +1302,24 @@ mod tests {
     fn reallocation_gives_half_only_where_the_cost_model_says_it_pays() {
         let long: Vec<u64> = (1..=512).collect();
         let r = realloc("1x8xH100", long.clone());
-        assert_eq!(r.donation(1024, &vec![10; 1024], true), 512);
-        assert_eq!(r.donation(4, &[10; 4], true), 2);
-        assert_eq!(r.donation(1, &[10], true), 0);
+        assert_eq!(r.donation(1024, &vec![10; 1024], true, None), 512);
+        assert_eq!(r.donation(4, &[10; 4], true, None), 2);
+        assert_eq!(r.donation(1, &[10], true, None), 0);
         // Every sample is about to end: nothing to gain.
         let short = realloc("1x8xH100", vec![11; 512]);
-        assert_eq!(short.donation(1024, &vec![10; 1024], true), 0);
-        assert_eq!(short.donation(4, &[10; 4], false), 0);
+        assert_eq!(short.donation(1024, &vec![10; 1024], true, None), 0);
+        assert_eq!(short.donation(4, &[10; 4], false, None), 0);
+        // Measured steps decide where there are some: steps whose time does not grow with the
+        // rows (a tiny model's fixed costs) gain nothing from splitting the batch; steps that
+        // grow by a millisecond a row do.
+        assert_eq!(r.donation(16, &[10; 16], true, Some((2e-3, 0.0))), 0);
+        assert_eq!(r.donation(16, &[10; 16], true, Some((2e-3, 1e-3))), 8);
+        // A hand-over measured slower than what splitting saves: nothing given.
+        let slow = Realloc {
+            handover: Some(10.0),
+            ..r.clone()
+        };
+        assert_eq!(slow.donation(16, &[10; 16], true, Some((2e-3, 1e-3))), 0);
         // Expected remaining tokens from the lengths above what a sample has.
         assert!((r.remaining(0) - 256.5).abs() < 1e-9);
         assert!((r.remaining(500) - 6.5).abs() < 1e-9);

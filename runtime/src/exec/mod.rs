@@ -451,6 +451,7 @@ impl<'p> Executor<'p> {
                     }
                 }
                 Op::Generate { .. } => {
+                    let early = self.reshards_into_streamed(id)?;
                     let (rollout, streamed, stats) =
                         self.generate(id, &inputs, &vals, derive(seed, u64::from(id.0)))?;
                     let g0 = t0.duration_since(t_step).as_secs_f64();
@@ -503,7 +504,7 @@ impl<'p> Executor<'p> {
                         vals.insert(n, v);
                     }
                     vals.insert(id, Val::Rollout(rollout));
-                    self.transfers_after(id)?;
+                    self.transfers_after_but(id, &early)?;
                     self.release_copies(id)?;
                     // The streamed consumers ran under the generation: their transfers follow.
                     for c in consumers {

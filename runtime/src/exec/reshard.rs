@@ -16,12 +16,51 @@ use realloc::{Mapping, Slices, run_plan_mapped};
 impl<'p> Executor<'p> {
     /// Runs the transfer nodes that follow call `after`.
     pub(super) fn transfers_after(&mut self, after: NodeId) -> Result<()> {
+        self.transfers_after_but(after, &[])
+    }
+
+    /// Runs the reshards from generation `generate`'s layout into that of a call streamed
+    /// under it, before the generation starts: the plan puts them after the generation (the
+    /// order of the calls), but a streamed call runs while it generates, on weights that do not
+    /// change until the next training — so they move from the generation's copy first.
+    /// Returns the reshards it ran (not to run again after the generation).
+    pub(super) fn reshards_into_streamed(&mut self, generate: NodeId) -> Result<Vec<NodeId>> {
+        let streamed: Vec<NodeId> = self
+            .exec
+            .streamed(generate)
+            .into_iter()
+            .map(|(c, _)| c)
+            .collect();
+        let g = &self.plan.graph;
+        let early: Vec<(NodeId, usize)> = g
+            .node_ids()
+            .into_iter()
+            .filter_map(|id| match g.node(id).map(|n| &n.op) {
+                Some(Op::Reshard {
+                    model,
+                    after,
+                    before,
+                    ..
+                }) if *after == generate && streamed.contains(before) => {
+                    Some((id, *model as usize))
+                }
+                _ => None,
+            })
+            .collect();
+        for &(id, model) in &early {
+            self.reshard(id, model)?;
+        }
+        Ok(early.into_iter().map(|(id, _)| id).collect())
+    }
+
+    /// Runs the transfer nodes that follow call `after`, but those in `done`.
+    pub(super) fn transfers_after_but(&mut self, after: NodeId, done: &[NodeId]) -> Result<()> {
         let g = &self.plan.graph;
         let mut todo: Vec<NodeId> = Vec::new();
         for id in g.node_ids() {
             match g.node(id).map(|n| &n.op) {
                 Some(Op::Reshard { after: a, .. }) | Some(Op::Offload { after: a, .. })
-                    if *a == after =>
+                    if *a == after && !done.contains(&id) =>
                 {
                     todo.push(id)
                 }

@@ -557,7 +557,19 @@ impl<'p> Executor<'p> {
             }
             _ => (0, dp),
         };
-        if threshold == 0 && state.realloc.is_none() {
+        // The ranks that run inference streamed under this generation: a replica with one of
+        // them does not ask for samples (it is not idle).
+        let busy: Vec<usize> = self
+            .exec
+            .streamed(id)
+            .iter()
+            .filter_map(|(c, _)| self.exec.placement(*c))
+            .flat_map(|p| p.first as usize..(p.first + p.count) as usize)
+            .collect();
+        let asks_of = |k: usize| !replica_tp_ranks(gp, k).iter().any(|r| busy.contains(r));
+        // Only replicas that keep their samples ask; when none may, nobody looks for requests.
+        let realloc = state.realloc.clone().filter(|_| (0..kept).any(asks_of));
+        if threshold == 0 && realloc.is_none() {
             return Ok(None);
         }
         let rank = self.comm.rank;
@@ -580,6 +592,7 @@ impl<'p> Executor<'p> {
         } else {
             None
         };
+        let asks = asks_of(me);
         self.tail_round += 1;
         Ok(Some(Tail {
             counter: self.comm.counter()?,
@@ -593,7 +606,8 @@ impl<'p> Executor<'p> {
             tp_rank,
             peers,
             decider,
-            realloc: state.realloc.clone(),
+            realloc,
+            asks,
             timeout: self
                 .options
                 .dist
