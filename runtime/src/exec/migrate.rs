@@ -710,7 +710,8 @@ pub(super) fn run(
                 s.prompt_index = engine.batch_index(s.prompt_index);
                 let slot = s.prompt_index * n + s.sample_index;
                 if !held.finish(None, slot, s, tx)? {
-                    break;
+                    // The step failed elsewhere: stop generating.
+                    return Ok((stats, TailGroups::default()));
                 }
             }
         }
