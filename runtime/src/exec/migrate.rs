@@ -950,7 +950,9 @@ fn send_migrants(
             caches.extend(keys.iter().chain(values).map(|t| t.reshape([-1])));
         }
     }
-    let cache = (!caches.is_empty()).then(|| Tensor::cat(&caches, 0));
+    // Through host memory: the groups are Gloo's (a GPU cache row lands on the receiver's
+    // device in `KvCache::row_from_parts`).
+    let cache = (!caches.is_empty()).then(|| Tensor::cat(&caches, 0).to_device(tch::Device::Cpu));
     let cache_len = cache.as_ref().map_or(0, |c| c.numel() as i64);
     let head = [
         moving.len() as i64,
