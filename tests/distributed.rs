@@ -1003,8 +1003,8 @@ fn assert_migrated_and_learned(run: &[serde_json::Map<String, serde_json::Value>
 /// `migrate below 25%` hands the last 4 unfinished samples of rank 1 to rank 0 (with their KV
 /// caches), learns, and reports what moved and the share of inference hidden; the same seed
 /// with `migrate off` samples the same texts over all 40 steps, as does `fuse off` (nothing
-/// streamed: a replica that runs out takes samples from the other), and migrating by
-/// re-prefill and `fuse off` with `--reallocate off` over their 3.
+/// streamed: a replica that runs out takes samples from the other), as do migrating by
+/// re-prefill over its 8 and `fuse off` with `--reallocate off` over its 3.
 #[test]
 fn ppo_tiny_migrates_its_long_tail_on_2_ranks_and_samples_the_same_texts() {
     let dir = tmp("tail2");
@@ -1033,7 +1033,7 @@ fn ppo_tiny_migrates_its_long_tail_on_2_ranks_and_samples_the_same_texts() {
     );
     let on_run = run(&on, &a, &[]);
     let off_run = run(&off, &b, &[]);
-    let prefill_run = run(&on, &c, &["--steps", "3", "--migrate-with", "prefill"]);
+    let prefill_run = run(&on, &c, &["--steps", "8", "--migrate-with", "prefill"]);
     let whole_run = run(&whole, &d, &[]);
     let alone_run = run(&whole, &e, &["--steps", "3", "--reallocate", "off"]);
     for f in [&on, &off, &whole] {
@@ -1069,7 +1069,12 @@ fn ppo_tiny_migrates_its_long_tail_on_2_ranks_and_samples_the_same_texts() {
     assert!(
         refilled
             .iter()
-            .any(|m| num(m, "migrate/prefill_tokens") > 0.0)
+            .any(|m| num(m, "migrate/prefill_tokens") > 0.0),
+        "no started sample prefilled again in 8 steps: {:?}",
+        refilled
+            .iter()
+            .map(|m| (num(m, "migrate/samples"), num(m, "migrate/prefill_tokens")))
+            .collect::<Vec<_>>()
     );
     assert!(refilled.iter().all(|m| num(m, "migrate/kv") == 0.0));
     // The same texts: every step's mean length and the mean and spread of its rewards (over
@@ -1093,7 +1098,7 @@ fn ppo_tiny_migrates_its_long_tail_on_2_ranks_and_samples_the_same_texts() {
     };
     assert_eq!(texts(&a, 40).len(), 4 * 40);
     assert_eq!(texts(&a, 40), texts(&b, 40));
-    assert_eq!(texts(&a, 3), texts(&c, 3));
+    assert_eq!(texts(&a, 8), texts(&c, 8));
     assert_eq!(texts(&a, 40), texts(&d, 40));
     assert_eq!(texts(&a, 3), texts(&e, 3));
     // Samples given to rank 0 before the tail (when it ran out first and the cost model said
