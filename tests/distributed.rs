@@ -10,7 +10,7 @@
 use std::io::{BufRead, BufReader};
 mod common;
 use common::Tmp;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -436,27 +436,17 @@ fn ppo_tiny_tensor_parallel_on_2_ranks_gives_the_one_process_metrics() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// `ppo_tiny` on 4 ranks with a mix of layouts pinned (`place`): generation, the policy's and
-/// the reward model's inference tp 2 over 2 replicas (streamed), the reference's log-probs
-/// through tp 2 × pp 2 and the critic's values through dp 2 × pp 2 pipelines (after
-/// generation: pipelines do not stream), the policy trained tp 2 × pp 2 and interleaved with
-/// the critic's tp 2 training (one fused schedule), reshards between tp 1 and 2 and between
-/// pp 1 and 2. The first steps compute what one process does.
-#[test]
-fn mixed_tensor_and_pipeline_layouts_on_4_ranks_give_the_one_process_metrics() {
-    let dir = tmp("mix4");
+/// `ppo_tiny` for 4 ranks with `place` pins `pins`, run 3 steps under `braid launch`, and
+/// the quickstart run 3 steps in one process: the two run directories (in `dir`) and the
+/// pinned run's plan.
+fn pinned_and_one_process(
+    dir: &Path,
+    tag: &str,
+    pins: &[&str],
+) -> (PathBuf, PathBuf, serde_json::Value) {
     let src = std::fs::read_to_string("examples/ppo_tiny.rlhf").unwrap();
-    let pins = [
-        "generate(policy) on 0..4 tp 2",
-        "logprobs(policy) on 0..4 tp 2",
-        "logprobs(ref) on 0..4 tp 2 pp 2",
-        "values(critic) on 0..4 dp 2 pp 2",
-        "score(reward_model) on 0..4 tp 2",
-        "train(policy) on 0..4 tp 2 pp 2",
-        "train(critic) on 0..4 tp 2 dp 2",
-    ];
     let pins: String = pins.iter().map(|p| format!("  place {p}\n")).collect();
-    let file = Path::new("examples").join(format!(".mix4-{}.rlhf", std::process::id()));
+    let file = Path::new("examples").join(format!(".{tag}-{}.rlhf", std::process::id()));
     std::fs::write(
         &file,
         format!("{src}\ncluster {{ cpus: 4 }}\n\nschedule {{\n{pins}}}\n"),
@@ -488,8 +478,30 @@ fn mixed_tensor_and_pipeline_layouts_on_4_ranks_give_the_one_process_metrics() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(ok, "{stderr}");
-    let plan: serde_json::Value =
+    let plan =
         serde_json::from_str(&std::fs::read_to_string(four.join("plan.json")).unwrap()).unwrap();
+    (one, four, plan)
+}
+
+/// `ppo_tiny` on 4 ranks with a mix of layouts pinned (`place`): generation, the policy's and
+/// the reward model's inference tp 2 over 2 replicas (streamed), the reference's log-probs
+/// through tp 2 × pp 2 and the critic's values through dp 2 × pp 2 pipelines (after
+/// generation: pipelines do not stream), the policy trained tp 2 × pp 2 and interleaved with
+/// the critic's tp 2 training (one fused schedule), reshards between tp 1 and 2 and between
+/// pp 1 and 2. The first steps compute what one process does.
+#[test]
+fn mixed_tensor_and_pipeline_layouts_on_4_ranks_give_the_one_process_metrics() {
+    let dir = tmp("mix4");
+    let pins = [
+        "generate(policy) on 0..4 tp 2",
+        "logprobs(policy) on 0..4 tp 2",
+        "logprobs(ref) on 0..4 tp 2 pp 2",
+        "values(critic) on 0..4 dp 2 pp 2",
+        "score(reward_model) on 0..4 tp 2",
+        "train(policy) on 0..4 tp 2 pp 2",
+        "train(critic) on 0..4 tp 2 dp 2",
+    ];
+    let (one, four, plan) = pinned_and_one_process(&dir, "mix4", &pins);
     let d = &plan["decisions"];
     assert_eq!(d["interleave"].as_array().unwrap().len(), 1, "{d}");
     assert!(
@@ -525,41 +537,8 @@ fn mixed_tensor_and_pipeline_layouts_on_4_ranks_give_the_one_process_metrics() {
 #[test]
 fn a_call_streamed_under_generation_in_another_layout_gets_the_trained_weights() {
     let dir = tmp("stream-reshard");
-    let src = std::fs::read_to_string("examples/ppo_tiny.rlhf").unwrap();
-    let file = Path::new("examples").join(format!(".stream-reshard-{}.rlhf", std::process::id()));
-    std::fs::write(
-        &file,
-        format!("{src}\ncluster {{ cpus: 4 }}\n\nschedule {{\n  place generate(policy) on 0..4 tp 2\n}}\n"),
-    )
-    .unwrap();
-    let (one, four) = (dir.join("one"), dir.join("four"));
-    let out = run_one(&[
-        "examples/ppo_tiny.rlhf",
-        "--run-dir",
-        one.to_str().unwrap(),
-        "--steps",
-        "3",
-    ]);
-    let (ok, stderr) = launch_run(
-        4,
-        &[
-            file.to_str().unwrap(),
-            "--run-dir",
-            four.to_str().unwrap(),
-            "--steps",
-            "3",
-        ],
-        Duration::from_secs(600),
-    );
-    let _ = std::fs::remove_file(&file);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(ok, "{stderr}");
-    let plan: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(four.join("plan.json")).unwrap()).unwrap();
+    let (one, four, plan) =
+        pinned_and_one_process(&dir, "stream-reshard", &["generate(policy) on 0..4 tp 2"]);
     let streamed_elsewhere = plan["decisions"]["placements"]
         .as_object()
         .unwrap()

@@ -159,8 +159,8 @@ pub(crate) struct Realloc {
     /// remains of a sample with `l` tokens is estimated from those above `l`.
     pub(super) lengths: Vec<u64>,
     pub(super) across_nodes: bool,
-    /// Seconds a hand-over took when this rank last gave samples (measured: the send waits
-    /// for the receiver), which stands for the cost model's estimate once there is one.
+    /// Seconds a hand-over took when this rank last gave samples in an earlier generation
+    /// (measured: the send waits for the receiver), for `donation`.
     pub(super) handover: Option<f64>,
 }
 
@@ -209,14 +209,15 @@ impl Realloc {
     /// How many of `pending` unfinished samples (the running ones with `running` tokens each,
     /// the others not started) to give an idle replica: half, when that pays, else none. The
     /// decode steps saved come from `measured` (this generation's own steps, `measured_step`)
-    /// where there is one, else from the cost model; the hand-over's cost from the last one
-    /// measured (`handover`), else from the cost model.
+    /// where there is one, else from the cost model; the hand-over's cost from `handover`,
+    /// the last one measured, else from the cost model.
     pub(super) fn donation(
         &self,
         pending: usize,
         running: &[usize],
         kv: bool,
         measured: Option<(f64, f64)>,
+        handover: Option<f64>,
     ) -> usize {
         let give = pending / 2;
         if give == 0 {
@@ -262,7 +263,7 @@ impl Realloc {
                     .cost
                     .prefill_time(&self.shape, one, give as u64, context)
         };
-        let moving = self.handover.unwrap_or(moving);
+        let moving = handover.unwrap_or(moving);
         if saved > moving + adopting { give } else { 0 }
     }
 }
@@ -451,11 +452,8 @@ impl Lead {
                     })?;
                 let count = if local >= 2 {
                     let measured = measured_step(engine.step_log());
-                    let r = Realloc {
-                        handover: self.handover.or(r.handover),
-                        ..r.clone()
-                    };
-                    r.donation(local, &engine.running_lengths(), t.kv, measured)
+                    let handover = self.handover.or(r.handover);
+                    r.donation(local, &engine.running_lengths(), t.kv, measured, handover)
                 } else {
                     0
                 };
@@ -1019,10 +1017,15 @@ fn recv_migrants(
     let all = ints(&all)?;
     let lps = Vec::<f32>::try_from(&lps).map_err(Error::Torch)?;
     let (mut at, mut lp_at, mut kv_at) = (0usize, 0usize, 0i64);
+    // The next `len` values of `from` at `*at` (moved past them), if there are as many.
+    fn take<'a, T>(from: &'a [T], at: &mut usize, len: usize) -> Option<&'a [T]> {
+        let part = from.get(*at..*at + len)?;
+        *at += len;
+        Some(part)
+    }
     let mut out = Vec::with_capacity(count as usize);
     for i in 0..count {
-        let h = all
-            .get(at..at + HEADER)
+        let h = take(&all, &mut at, HEADER)
             .ok_or_else(|| bad(format!("sample {i}'s header is cut")))?;
         let (plen, ntok, kv_len) = (h[2].max(0) as usize, h[3].max(0) as usize, h[5]);
         let (batch_index, sample_index, rng, owner) = (
@@ -1031,22 +1034,15 @@ fn recv_migrants(
             h[4] as u64,
             h[6].max(0) as usize,
         );
-        at += HEADER;
-        let prompt = all
-            .get(at..at + plen)
+        let prompt = take(&all, &mut at, plen)
             .ok_or_else(|| bad(format!("sample {i}'s prompt is cut")))?
             .to_vec();
-        at += plen;
-        let tokens = all
-            .get(at..at + ntok)
+        let tokens = take(&all, &mut at, ntok)
             .ok_or_else(|| bad(format!("sample {i}'s tokens are cut")))?
             .to_vec();
-        at += ntok;
-        let logprobs = lps
-            .get(lp_at..lp_at + ntok)
+        let logprobs = take(&lps, &mut lp_at, ntok)
             .ok_or_else(|| bad(format!("sample {i}'s log-probabilities are cut")))?
             .to_vec();
-        lp_at += ntok;
         let kv = if kv_len > 0 {
             let per = kv_heads * kv_len * head_dim;
             if kv_at + 2 * layers as i64 * per > n_cache {
@@ -1305,24 +1301,23 @@ mod tests {
     fn reallocation_gives_half_only_where_the_cost_model_says_it_pays() {
         let long: Vec<u64> = (1..=512).collect();
         let r = realloc("1x8xH100", long.clone());
-        assert_eq!(r.donation(1024, &vec![10; 1024], true, None), 512);
-        assert_eq!(r.donation(4, &[10; 4], true, None), 2);
-        assert_eq!(r.donation(1, &[10], true, None), 0);
+        assert_eq!(r.donation(1024, &vec![10; 1024], true, None, None), 512);
+        assert_eq!(r.donation(4, &[10; 4], true, None, None), 2);
+        assert_eq!(r.donation(1, &[10], true, None, None), 0);
         // Every sample is about to end: nothing to gain.
         let short = realloc("1x8xH100", vec![11; 512]);
-        assert_eq!(short.donation(1024, &vec![10; 1024], true, None), 0);
-        assert_eq!(short.donation(4, &[10; 4], false, None), 0);
+        assert_eq!(short.donation(1024, &vec![10; 1024], true, None, None), 0);
+        assert_eq!(short.donation(4, &[10; 4], false, None, None), 0);
         // Measured steps decide where there are some: steps whose time does not grow with the
         // rows (a tiny model's fixed costs) gain nothing from splitting the batch; steps that
         // grow by a millisecond a row do.
-        assert_eq!(r.donation(16, &[10; 16], true, Some((2e-3, 0.0))), 0);
-        assert_eq!(r.donation(16, &[10; 16], true, Some((2e-3, 1e-3))), 8);
+        assert_eq!(r.donation(16, &[10; 16], true, Some((2e-3, 0.0)), None), 0);
+        assert_eq!(r.donation(16, &[10; 16], true, Some((2e-3, 1e-3)), None), 8);
         // A hand-over measured slower than what splitting saves: nothing given.
-        let slow = Realloc {
-            handover: Some(10.0),
-            ..r.clone()
-        };
-        assert_eq!(slow.donation(16, &[10; 16], true, Some((2e-3, 1e-3))), 0);
+        assert_eq!(
+            r.donation(16, &[10; 16], true, Some((2e-3, 1e-3)), Some(10.0)),
+            0
+        );
         // Expected remaining tokens from the lengths above what a sample has.
         assert!((r.remaining(0) - 256.5).abs() < 1e-9);
         assert!((r.remaining(500) - 6.5).abs() < 1e-9);
