@@ -15,7 +15,7 @@
 use std::collections::BTreeMap;
 
 use braid_cost::cluster::ClusterSpec;
-use braid_cost::cost::{DeviceKind, ModelShape};
+use braid_cost::cost::{DeviceKind, DeviceSpec, ModelShape};
 use braid_cost::sim::LengthDist;
 use braid_diagnostics::{Code, Diagnostic, SourceMap};
 use braid_ir::exec_plan::ExecPlan;
@@ -67,6 +67,9 @@ pub struct Options {
     pub prompt_len: Option<u64>,
     /// Passes not to run (names as `braid plan --disable-pass` takes them).
     pub disabled_passes: Vec<String>,
+    /// The device entry to price the plan with (a calibrated profile, `--profile FILE`);
+    /// `None`: the cluster's datasheet entry.
+    pub profile: Option<DeviceSpec>,
 }
 
 /// Everything one compile produced.
@@ -83,11 +86,16 @@ pub struct Compiled {
     pub planned: Option<Annotated>,
     /// A failure that is Braid's fault, not the program's (a lowering or pass bug).
     pub internal: Option<String>,
+    /// An option that does not fit the program (a device profile for another kind of device
+    /// than the cluster's); the caller reports it as a usage error.
+    pub usage: Option<String>,
 }
 
 impl Compiled {
     pub fn has_errors(&self) -> bool {
-        self.internal.is_some() || self.diagnostics.iter().any(|d| d.is_error())
+        self.internal.is_some()
+            || self.usage.is_some()
+            || self.diagnostics.iter().any(|d| d.is_error())
     }
 
     /// The executable plan, when the program compiled without errors.
@@ -132,6 +140,7 @@ pub fn prepare(
         prepared: None,
         planned: None,
         internal: None,
+        usage: None,
     };
     if c.has_errors() || c.program.run.is_none() {
         return c;
@@ -157,6 +166,16 @@ pub fn prepare(
         (None, None, Some(c)) => c,
         _ => cluster_of(program),
     };
+    if let Some(d) = &options.profile
+        && d.kind != cluster.device
+    {
+        c.usage = Some(format!(
+            "the device profile given with --profile is for `{}`, but the run's cluster `{cluster}` has `{}` devices (give `--cluster` with the profile's kind, or calibrate on the cluster's devices)",
+            d.kind.name(),
+            cluster.device.name()
+        ));
+        return c;
+    }
     // The target decides the dtype a program leaves open: f32 on CPUs, bf16 on GPUs.
     let default_dtype = if cluster.device == DeviceKind::Cpu {
         Dtype::F32
@@ -229,7 +248,10 @@ pub fn prepare(
     }
     let mut pins = pins_of(program, &lowered);
     pins.fuse_off |= options.fuse_off;
-    let cost = cluster.cost_model();
+    let cost = match &options.profile {
+        Some(d) => cluster.cost_model_with(d.clone()),
+        None => cluster.cost_model(),
+    };
     c.prepared = Some(Annotated::new(
         lowered, cluster, cost, shapes, workload, pins,
     ));

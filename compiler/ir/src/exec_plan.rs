@@ -22,7 +22,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 
 use braid_cost::cluster::ClusterSpec;
-use braid_cost::cost::{Layout, ModelShape};
+use braid_cost::cost::{CostModel, DeviceSpec, Layout, ModelShape};
 use braid_cost::fused_pipeline::FusedSchedule;
 use braid_cost::sim::LengthDist;
 use serde::{Deserialize, Serialize};
@@ -310,6 +310,11 @@ pub struct ExecPlan {
     pub plan: Plan,
     /// The cluster the plan is for.
     pub cluster: ClusterSpec,
+    /// The device entry the plan was priced with when it is not the cluster's datasheet entry
+    /// (a calibrated profile, `braid plan --profile`); the runtime's own decisions (migration,
+    /// reallocation) price with it too.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device: Option<DeviceSpec>,
     /// One per model slot of the plan.
     pub shapes: Vec<ModelShape>,
     pub workload: Workload,
@@ -362,11 +367,21 @@ impl ExecPlan {
             version: PLAN_VERSION,
             plan,
             cluster,
+            device: None,
             shapes,
             workload,
             seed,
             decisions,
             base_dir: String::new(),
+        }
+    }
+
+    /// The cost model the plan was priced with: its profile's device entry, else the
+    /// cluster's datasheet entry.
+    pub fn cost_model(&self) -> CostModel {
+        match &self.device {
+            Some(d) => self.cluster.cost_model_with(d.clone()),
+            None => self.cluster.cost_model(),
         }
     }
 
@@ -438,6 +453,22 @@ impl ExecPlan {
         })?;
         if self.cluster.nodes == 0 || self.cluster.per_node == 0 {
             return bad("cluster", "needs at least one node and one device per node");
+        }
+        if let Some(d) = &self.device {
+            if d.kind != self.cluster.device {
+                return bad(
+                    "device.kind",
+                    format!(
+                        "is `{}`, but the cluster's devices are `{}`",
+                        d.kind.name(),
+                        self.cluster.device.name()
+                    ),
+                );
+            }
+            d.check().map_err(|what| PlanError {
+                field: "device".into(),
+                what,
+            })?;
         }
         let devices = self.cluster.devices();
         if p.steps <= 0 {

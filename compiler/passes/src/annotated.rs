@@ -159,23 +159,29 @@ impl Annotated {
     /// decisions. `braid plan --emit` writes it; [`Annotated::from_exec_plan`] reads it back to
     /// the same report.
     pub fn to_exec_plan(&self) -> ExecPlan {
-        ExecPlan::new(
+        let mut e = ExecPlan::new(
             self.plan.clone(),
             self.cluster,
             self.shapes.clone(),
             self.workload.clone(),
             self.seed,
             self.decisions.clone(),
-        )
+        );
+        // A profile's entry travels with the plan; the datasheet's is implied by the cluster.
+        if self.cost.device != self.cluster.device.spec() {
+            e.device = Some(self.cost.device.clone());
+        }
+        e
     }
 
     /// An executable plan as the planner sees it again (for `braid plan plan.json`): the
-    /// cost model is the cluster's, and no pins (they were applied when it was planned).
+    /// cost model is the plan's (its profile's device entry, else the cluster's), and no pins
+    /// (they were applied when it was planned).
     pub fn from_exec_plan(e: &ExecPlan) -> Annotated {
         Annotated {
             plan: e.plan.clone(),
             cluster: e.cluster,
-            cost: e.cluster.cost_model(),
+            cost: e.cost_model(),
             shapes: e.shapes.clone(),
             workload: e.workload.clone(),
             pins: Pins::default(),

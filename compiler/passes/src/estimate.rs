@@ -15,6 +15,7 @@ use crate::annotated::{Annotated, Placement};
 use crate::cost::{CostModel, Layout, MemoryNeeds, MemoryUse, ModelShape};
 use crate::fused_pipeline::{PipelineModel, PipelineProblem, SearchOptions, lower_bound};
 use crate::prng::Rng;
+use crate::sim::ENGINE_MAX_BATCH;
 
 /// How much work one model call does.
 #[derive(Clone, Debug, PartialEq)]
@@ -103,8 +104,10 @@ pub fn sample_lengths(a: &Annotated, gen_id: NodeId, samples: u64, max_new: u64)
         .collect()
 }
 
-/// Decode time of one engine instance holding `lengths` (lock-step: the live batch shrinks as
-/// samples finish), after a prefill of all its prompts.
+/// Decode time of one engine instance holding `lengths` (in the order they are admitted),
+/// as Braid's engine runs them: at most [`ENGINE_MAX_BATCH`] running, the rest prefilled and
+/// admitted as rows free (continuous batching); once none wait, lock-step (the live batch
+/// shrinks as samples finish).
 pub fn instance_generate_time(
     cost: &CostModel,
     shape: &ModelShape,
@@ -115,17 +118,43 @@ pub fn instance_generate_time(
     if lengths.is_empty() {
         return 0.0;
     }
-    let mut sorted = lengths.to_vec();
-    sorted.sort_unstable();
-    let b = sorted.len() as u64;
-    let mut t = cost.prefill_time(shape, layout, b, prompt_len);
+    let cap = ENGINE_MAX_BATCH as usize;
+    let mut waiting: std::collections::VecDeque<u64> = lengths.iter().copied().collect();
+    // Running samples as (tokens left, context).
+    let mut running: Vec<(u64, u64)> = Vec::new();
+    let mut t = 0.0;
+    let admit = |running: &mut Vec<(u64, u64)>, waiting: &mut std::collections::VecDeque<u64>| {
+        let n = cap.saturating_sub(running.len()).min(waiting.len());
+        running.extend(waiting.drain(..n).map(|len| (len, prompt_len)));
+        n as u64
+    };
+    let n = admit(&mut running, &mut waiting);
+    t += cost.prefill_time(shape, layout, n, prompt_len);
+    while !waiting.is_empty() {
+        let live = running.len() as u64;
+        let ctx = running.iter().map(|r| r.1).sum::<u64>() / live.max(1);
+        t += cost.decode_step_time(shape, layout, live, ctx + 1);
+        for r in &mut running {
+            r.0 -= 1;
+            r.1 += 1;
+        }
+        running.retain(|r| r.0 > 0);
+        let n = admit(&mut running, &mut waiting);
+        if n > 0 {
+            t += cost.prefill_time(shape, layout, n, prompt_len);
+        }
+    }
+    // Nothing waits: lock-step over what runs.
+    running.sort_unstable();
+    let b = running.len() as u64;
+    let ctx0 = running.iter().map(|r| r.1).sum::<u64>() / b.max(1);
     let mut prev = 0u64;
-    for (k, &len) in sorted.iter().enumerate() {
-        if len > prev {
+    for (k, &(left, _)) in running.iter().enumerate() {
+        if left > prev {
             let live = b - k as u64;
-            let mid = prompt_len + (prev + len) / 2;
-            t += (len - prev) as f64 * cost.decode_step_time(shape, layout, live, mid);
-            prev = len;
+            let mid = ctx0 + (prev + left) / 2;
+            t += (left - prev) as f64 * cost.decode_step_time(shape, layout, live, mid);
+            prev = left;
         }
     }
     t

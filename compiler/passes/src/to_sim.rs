@@ -17,8 +17,8 @@ use crate::cost::Layout;
 use crate::estimate::{self, call_size};
 use crate::passes::{PassError, PassManager};
 use crate::sim::{
-    Dag, DagBuilder, GenerateSpec, LengthDist, Migration, SimOptions, SimReport, TaskId, Work,
-    simulate,
+    Dag, DagBuilder, ENGINE_MAX_BATCH, GenerateSpec, LengthDist, Migration, SimOptions, SimReport,
+    TaskId, Work, simulate,
 };
 
 /// The length distribution with every length capped at `max`.
@@ -214,6 +214,7 @@ pub fn to_dag(a: &Annotated, fusion: bool) -> Result<(Dag, BTreeMap<NodeId, Task
                             to_instances: m.to_instances.min(p.dp.max(1)),
                         }
                     }),
+                    max_batch: Some(ENGINE_MAX_BATCH),
                 })),
                 Op::Train { .. } => {
                     let secs = match fused.get(&id) {

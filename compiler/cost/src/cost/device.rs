@@ -116,12 +116,96 @@ fn gpu(kind: DeviceKind, flops: f64, hbm: f64, mem_gb: u64, nvlink: f64, net: f6
         decode_layer_overhead: 30e-6,
         // CUDA context, cuBLAS workspace and allocator fragmentation.
         reserved_memory: 3 * GIB,
+        // No published per-shape rates or per-pass constants for these parts: the efficiency
+        // factors above stand for every shape, and `braid calibrate` measures the rest.
+        overheads: Overheads::default(),
+        matmul: Vec::new(),
+    }
+}
+
+/// Achieved matrix-multiply throughput for one shape: `rows × width` times `width × width`
+/// (a layer's activations times a square weight), in FLOP/s (`2·rows·width²` per product).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MatmulRate {
+    pub rows: u64,
+    pub width: u64,
+    pub flops: f64,
+}
+
+/// Seconds a pass costs beyond its roofline, by kind of pass, as a fixed part and parts per
+/// layer, per row or token, and per row or token and layer: what the framework spends around
+/// the matrix products (kernel launches, element-wise operators over the activations, sampling,
+/// the optimizer's per-tensor loop). Measured by `braid calibrate` on the runtime's own passes
+/// and fitted to these terms; zero for the GPU datasheet entries, which carry
+/// `decode_layer_overhead` only (their efficiency factors stand for the rest).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Overheads {
+    /// Per decode step, beyond its layers (the step's bookkeeping, the head).
+    pub decode_step: f64,
+    /// Per running row of a decode step (sampling, stop checks, the row's cache).
+    pub decode_row: f64,
+    /// Per running row, layer and unit of the hidden size of a decode step (the row's
+    /// element-wise work: norms, activations, attention and cache updates).
+    pub decode_row_layer: f64,
+    /// Per prefill pass over a batch of prompts, beyond its forward terms.
+    pub prefill: f64,
+    /// Per forward pass (an inference chunk), beyond its layers.
+    pub forward: f64,
+    /// Per layer of a forward pass (inference, prefill, a training micro-batch's forward).
+    pub forward_layer: f64,
+    /// Per token of a forward pass (the head's element-wise work, the log-softmax).
+    pub forward_token: f64,
+    /// Per token, layer and unit of the hidden size of a forward pass (norms, activations,
+    /// attention's softmax).
+    pub forward_token_layer: f64,
+    /// Per training micro-batch, beyond its forward and backward terms.
+    pub microbatch: f64,
+    /// Per layer of a micro-batch's backward.
+    pub backward_layer: f64,
+    /// Per token of a micro-batch's backward.
+    pub backward_token: f64,
+    /// Per token, layer and unit of the hidden size of a micro-batch's backward.
+    pub backward_token_layer: f64,
+    /// Per optimizer step (the update's bookkeeping), beyond its layers.
+    pub train_step: f64,
+    /// Per layer of an optimizer step (the update's loop over a layer's tensors).
+    pub optimizer_layer: f64,
+}
+
+impl Overheads {
+    pub fn is_zero(&self) -> bool {
+        *self == Overheads::default()
+    }
+
+    /// A forward pass's terms over `layers` layers of width `hidden` and `tokens` tokens (no
+    /// fixed part).
+    pub fn forward_terms(&self, layers: f64, tokens: f64, hidden: f64) -> f64 {
+        layers * self.forward_layer
+            + tokens * self.forward_token
+            + layers * tokens * hidden * self.forward_token_layer
+    }
+
+    /// A backward pass's terms over `layers` layers of width `hidden` and `tokens` tokens
+    /// (no fixed part).
+    pub fn backward_terms(&self, layers: f64, tokens: f64, hidden: f64) -> f64 {
+        layers * self.backward_layer
+            + tokens * self.backward_token
+            + layers * tokens * hidden * self.backward_token_layer
+    }
+
+    /// A decode step's terms over `layers` layers of width `hidden` and `rows` running rows
+    /// (beyond the device's `decode_layer_overhead`).
+    pub fn decode_terms(&self, layers: f64, rows: f64, hidden: f64) -> f64 {
+        self.decode_step + rows * self.decode_row + layers * rows * hidden * self.decode_row_layer
     }
 }
 
 /// What the cost model knows about one device. Bandwidths are bytes per second in one
-/// direction; FLOP/s are dense bf16 peaks.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+/// direction; FLOP/s are dense bf16 peaks (for a CPU, the measured f32 rate).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct DeviceSpec {
     pub kind: DeviceKind,
     pub peak_flops: f64,
@@ -138,6 +222,13 @@ pub struct DeviceSpec {
     /// gaps that the roofline's reads and the all-reduces do not cover).
     pub decode_layer_overhead: f64,
     pub reserved_memory: u64,
+    /// Fixed seconds per pass by kind, beyond the roofline (`braid calibrate`).
+    #[serde(default, skip_serializing_if = "Overheads::is_zero")]
+    pub overheads: Overheads,
+    /// Achieved FLOP/s by matmul shape (`braid calibrate`); empty: `peak_flops ·
+    /// compute_efficiency` for every shape.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub matmul: Vec<MatmulRate>,
 }
 
 impl DeviceSpec {
@@ -162,12 +253,206 @@ impl DeviceSpec {
             // include the CPU's overheads.
             decode_layer_overhead: 0.0,
             reserved_memory: GIB / 2,
+            overheads: Overheads::default(),
+            matmul: Vec::new(),
         }
     }
 
-    /// FLOP/s the cost model plans with.
+    /// FLOP/s the cost model plans with where the shape is unknown (or not measured).
     pub fn effective_flops(&self) -> f64 {
         self.peak_flops * self.compute_efficiency
+    }
+
+    /// FLOP/s of a pass whose matrix products have `rows` rows (its tokens) and inner width
+    /// `width` (the model's hidden size): interpolated in the logarithms of both between the
+    /// measured shapes of [`DeviceSpec::matmul`] (clamped at the edges of the measured grid),
+    /// [`DeviceSpec::effective_flops`] when nothing was measured.
+    pub fn flops_at(&self, rows: f64, width: u64) -> f64 {
+        if self.matmul.is_empty() {
+            return self.effective_flops();
+        }
+        let mut widths: Vec<u64> = self.matmul.iter().map(|m| m.width).collect();
+        widths.sort_unstable();
+        widths.dedup();
+        let w = (width.max(1) as f64).ln();
+        let (lo, hi, t) = bracket(&widths, w);
+        let at = |width: u64| {
+            let mut pts: Vec<(f64, f64)> = self
+                .matmul
+                .iter()
+                .filter(|m| m.width == width)
+                .map(|m| ((m.rows.max(1) as f64).ln(), m.flops.max(1.0).ln()))
+                .collect();
+            pts.sort_by(|a, b| a.0.total_cmp(&b.0));
+            interpolate(&pts, rows.max(1.0).ln())
+        };
+        ((1.0 - t) * at(lo) + t * at(hi)).exp()
+    }
+}
+
+/// The two neighbours of `x` (a logarithm) among sorted `values` and the weight of the upper
+/// one; clamped to the first or last value outside their range.
+fn bracket(values: &[u64], x: f64) -> (u64, u64, f64) {
+    let ln = |v: u64| (v.max(1) as f64).ln();
+    let first = values[0];
+    let last = values[values.len() - 1];
+    if x <= ln(first) {
+        return (first, first, 0.0);
+    }
+    if x >= ln(last) {
+        return (last, last, 0.0);
+    }
+    for pair in values.windows(2) {
+        let (a, b) = (ln(pair[0]), ln(pair[1]));
+        if x <= b {
+            return (pair[0], pair[1], (x - a) / (b - a));
+        }
+    }
+    (last, last, 0.0)
+}
+
+/// Piecewise-linear interpolation through sorted points, constant beyond the ends.
+fn interpolate(points: &[(f64, f64)], x: f64) -> f64 {
+    let (first, last) = (points[0], points[points.len() - 1]);
+    if x <= first.0 {
+        return first.1;
+    }
+    if x >= last.0 {
+        return last.1;
+    }
+    for pair in points.windows(2) {
+        let ((x0, y0), (x1, y1)) = (pair[0], pair[1]);
+        if x <= x1 {
+            let t = if x1 > x0 { (x - x0) / (x1 - x0) } else { 0.0 };
+            return y0 + t * (y1 - y0);
+        }
+    }
+    last.1
+}
+
+/// The format name a device profile file carries.
+pub const PROFILE_FORMAT: &str = "braid-device-profile";
+/// The profile format version this build reads and writes.
+pub const PROFILE_VERSION: u32 = 1;
+
+/// A device profile (`braid calibrate` writes it; `braid plan`/`braid sim --profile` read it):
+/// the device entry the cost model plans with, and the measurements it was derived from.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DeviceProfile {
+    pub format: String,
+    pub version: u32,
+    pub device: DeviceSpec,
+    /// What was measured, for the reader (host, threads, ranks, raw timings).
+    #[serde(default)]
+    pub measured: serde_json::Value,
+}
+
+impl DeviceProfile {
+    pub fn new(device: DeviceSpec, measured: serde_json::Value) -> DeviceProfile {
+        DeviceProfile {
+            format: PROFILE_FORMAT.into(),
+            version: PROFILE_VERSION,
+            device,
+            measured,
+        }
+    }
+
+    /// Reads a profile from its JSON text; the message says what is wrong (the caller names
+    /// the file).
+    pub fn from_json(text: &str) -> Result<DeviceProfile, String> {
+        let v: serde_json::Value =
+            serde_json::from_str(text).map_err(|e| format!("not valid JSON: {e}"))?;
+        match v.get("format").and_then(|f| f.as_str()) {
+            Some(PROFILE_FORMAT) => {}
+            Some(other) => {
+                return Err(format!(
+                    "format `{other}` is not a device profile (expected `{PROFILE_FORMAT}`)"
+                ));
+            }
+            None => {
+                return Err(
+                    "no `format` field: not a device profile (`braid calibrate` writes them)"
+                        .to_string(),
+                );
+            }
+        }
+        match v.get("version").and_then(|f| f.as_u64()) {
+            Some(n) if n == u64::from(PROFILE_VERSION) => {}
+            Some(n) => {
+                return Err(format!(
+                    "profile version {n}; this build reads version {PROFILE_VERSION} (run `braid calibrate` again)"
+                ));
+            }
+            None => return Err("no `version` field".into()),
+        }
+        let p: DeviceProfile =
+            serde_json::from_value(v).map_err(|e| format!("not a device profile: {e}"))?;
+        p.device.check()?;
+        Ok(p)
+    }
+}
+
+impl DeviceSpec {
+    /// Refuses figures the cost model cannot plan with (zero or negative rates, non-finite
+    /// numbers), naming the field.
+    pub fn check(&self) -> Result<(), String> {
+        let positive = [
+            ("peak_flops", self.peak_flops),
+            ("mem_bandwidth", self.mem_bandwidth),
+            ("intra_node_bandwidth", self.intra_node_bandwidth),
+            ("inter_node_bandwidth", self.inter_node_bandwidth),
+            ("compute_efficiency", self.compute_efficiency),
+            ("memory_efficiency", self.memory_efficiency),
+            ("network_efficiency", self.network_efficiency),
+        ];
+        for (name, v) in positive {
+            if !(v.is_finite() && v > 0.0) {
+                return Err(format!(
+                    "`device.{name}` is {v}; it must be a positive number"
+                ));
+            }
+        }
+        let o = &self.overheads;
+        let non_negative = [
+            ("intra_node_latency", self.intra_node_latency),
+            ("inter_node_latency", self.inter_node_latency),
+            ("decode_layer_overhead", self.decode_layer_overhead),
+            ("overheads.decode_step", o.decode_step),
+            ("overheads.decode_row", o.decode_row),
+            ("overheads.decode_row_layer", o.decode_row_layer),
+            ("overheads.prefill", o.prefill),
+            ("overheads.forward", o.forward),
+            ("overheads.forward_layer", o.forward_layer),
+            ("overheads.forward_token", o.forward_token),
+            ("overheads.forward_token_layer", o.forward_token_layer),
+            ("overheads.microbatch", o.microbatch),
+            ("overheads.backward_layer", o.backward_layer),
+            ("overheads.backward_token", o.backward_token),
+            ("overheads.backward_token_layer", o.backward_token_layer),
+            ("overheads.train_step", o.train_step),
+            ("overheads.optimizer_layer", o.optimizer_layer),
+        ];
+        for (name, v) in non_negative {
+            if !(v.is_finite() && v >= 0.0) {
+                return Err(format!("`device.{name}` is {v}; it must be zero or more"));
+            }
+        }
+        for m in &self.matmul {
+            if m.rows == 0 || m.width == 0 || !(m.flops.is_finite() && m.flops > 0.0) {
+                return Err(format!(
+                    "`device.matmul` entry {} × {}: {} FLOP/s; rows, width and FLOP/s must be positive",
+                    m.rows, m.width, m.flops
+                ));
+            }
+        }
+        if self.memory <= self.reserved_memory {
+            return Err(format!(
+                "`device.memory` ({} B) must exceed `device.reserved_memory` ({} B)",
+                self.memory, self.reserved_memory
+            ));
+        }
+        Ok(())
     }
 
     /// Bytes per second the cost model plans with for reading device memory.
@@ -249,5 +534,76 @@ mod tests {
         let f = measure_cpu_flops(0.01);
         // Anything from an unoptimised debug build on a slow core to a fast vectorised loop.
         assert!(f > 1e6 && f < 1e12, "{f}");
+    }
+
+    fn with_table(rows: &[(u64, u64, f64)]) -> DeviceSpec {
+        let mut d = DeviceKind::Cpu.spec();
+        d.matmul = rows
+            .iter()
+            .map(|&(rows, width, flops)| MatmulRate { rows, width, flops })
+            .collect();
+        d
+    }
+
+    #[test]
+    fn flops_at_interpolates_in_log_space_and_clamps_outside_the_table() {
+        let d = with_table(&[
+            (1, 64, 1e9),
+            (100, 64, 1e11),
+            (1, 256, 4e9),
+            (100, 256, 4e11),
+        ]);
+        // On the grid: the measured rates.
+        assert!((d.flops_at(1.0, 64) / 1e9 - 1.0).abs() < 1e-9);
+        assert!((d.flops_at(100.0, 256) / 4e11 - 1.0).abs() < 1e-9);
+        // Between rows, geometric: 10 rows of 1..100 is halfway in log space.
+        assert!((d.flops_at(10.0, 64) / 1e10 - 1.0).abs() < 1e-9);
+        // Between widths, likewise: 128 is halfway between 64 and 256.
+        assert!((d.flops_at(1.0, 128) / 2e9 - 1.0).abs() < 1e-9);
+        // Outside: the nearest edge, never an extrapolation.
+        assert!((d.flops_at(1e6, 64) / 1e11 - 1.0).abs() < 1e-9);
+        assert!((d.flops_at(0.0, 8) / 1e9 - 1.0).abs() < 1e-9);
+        assert!((d.flops_at(1e6, 1 << 20) / 4e11 - 1.0).abs() < 1e-9);
+        // Without a table: the datasheet's effective rate.
+        let plain = DeviceKind::H100.spec();
+        assert_eq!(plain.flops_at(7.0, 4096), plain.effective_flops());
+    }
+
+    #[test]
+    fn profiles_round_trip_and_malformed_ones_say_what_is_wrong() {
+        let mut d = with_table(&[(4, 32, 2e9)]);
+        d.overheads.decode_step = 3e-4;
+        let p = DeviceProfile::new(d.clone(), serde_json::json!({"ranks": 1}));
+        let text = serde_json::to_string(&p).unwrap();
+        let back = DeviceProfile::from_json(&text).unwrap();
+        assert_eq!(back.device, d);
+        for (text, says) in [
+            ("[1, 2", "not valid JSON"),
+            (r#"{"version": 1}"#, "no `format`"),
+            (
+                r#"{"format": "braid-plan", "version": 1}"#,
+                "not a device profile",
+            ),
+            (
+                r#"{"format": "braid-device-profile", "version": 2}"#,
+                "version 2",
+            ),
+            (r#"{"format": "braid-device-profile"}"#, "no `version`"),
+        ] {
+            let e = DeviceProfile::from_json(text).unwrap_err();
+            assert!(e.contains(says), "{text}: {e}");
+        }
+        // An unknown constant is refused, not ignored.
+        let mut v: serde_json::Value = serde_json::from_str(&text).unwrap();
+        v["device"]["peak_flop"] = serde_json::json!(1.0);
+        let e = DeviceProfile::from_json(&v.to_string()).unwrap_err();
+        assert!(e.contains("peak_flop"), "{e}");
+        // A constant out of range names its field.
+        let mut bad = d.clone();
+        bad.overheads.forward = -1.0;
+        assert!(bad.check().unwrap_err().contains("overheads.forward"));
+        let mut bad = d;
+        bad.matmul[0].flops = f64::NAN;
+        assert!(bad.check().is_err());
     }
 }

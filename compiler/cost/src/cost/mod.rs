@@ -14,7 +14,10 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
-pub use device::{DeviceKind, DeviceSpec, measure_cpu_flops};
+pub use device::{
+    DeviceKind, DeviceProfile, DeviceSpec, MatmulRate, Overheads, PROFILE_FORMAT, PROFILE_VERSION,
+    measure_cpu_flops,
+};
 pub use model::{BYTE_VOCAB, ModelShape};
 
 /// An error in the cost model's inputs (a bad config, an impossible layout).
@@ -200,7 +203,8 @@ impl CostModel {
         let flops = tokens * model.forward_flops_per_token(context.round() as u64)
             / (layout.tp * layout.pp) as f64;
         let bytes = self.stage_weight_bytes(model, layout) + extra_bytes;
-        let compute = flops / self.device.effective_flops();
+        let width = (model.hidden / layout.tp).max(1);
+        let compute = flops / self.device.flops_at(tokens, width);
         let memory = bytes / self.device.effective_mem_bandwidth();
         compute.max(memory) + self.tp_comm(model, layout, tokens)
     }
@@ -215,7 +219,14 @@ impl CostModel {
         prompt_len: u64,
     ) -> f64 {
         let tokens = (batch * prompt_len) as f64;
+        let o = &self.device.overheads;
         layout.pp as f64 * self.stage_pass(model, layout, tokens, prompt_len as f64 / 2.0, 0.0)
+            + o.forward_terms(
+                model.layers as f64,
+                tokens,
+                (model.hidden / layout.tp) as f64,
+            )
+            + o.prefill
     }
 
     /// One decode step for `batch` live sequences with `context` tokens each: memory-bound at
@@ -236,13 +247,25 @@ impl CostModel {
             / (layout.tp * layout.pp) as f64;
         layout.pp as f64 * self.stage_pass(model, layout, batch as f64, context as f64, kv)
             + model.layers as f64 * self.device.decode_layer_overhead
+            + self.device.overheads.decode_terms(
+                model.layers as f64,
+                batch as f64,
+                (model.hidden / layout.tp) as f64,
+            )
     }
 
     /// Forward (inference, e.g. log-probs or values) of `seqs` sequences of `seq_len` tokens on
     /// one data-parallel replica: stage passes one after the other for a single micro-batch.
     pub fn forward_time(&self, model: &ModelShape, layout: Layout, seqs: u64, seq_len: u64) -> f64 {
         let tokens = (seqs * seq_len) as f64;
+        let o = &self.device.overheads;
         layout.pp as f64 * self.stage_pass(model, layout, tokens, seq_len as f64 / 2.0, 0.0)
+            + o.forward_terms(
+                model.layers as f64,
+                tokens,
+                (model.hidden / layout.tp) as f64,
+            )
+            + o.forward
     }
 
     /// One training step over `global_seqs` sequences of `seq_len` tokens, split over `dp`
@@ -260,12 +283,20 @@ impl CostModel {
         let m = microbatches.max(1);
         let seqs_per_mb = (global_seqs as f64 / (layout.dp * m) as f64).max(1.0);
         let tokens = seqs_per_mb * seq_len as f64;
-        let forward = self.stage_pass(model, layout, tokens, seq_len as f64 / 2.0, 0.0);
+        let o = &self.device.overheads;
+        let stage_layers = (model.layers / layout.pp) as f64;
+        let pass = self.stage_pass(model, layout, tokens, seq_len as f64 / 2.0, 0.0);
+        // A micro-batch's fixed cost is charged with its forward.
+        let forward = pass
+            + o.forward_terms(stage_layers, tokens, (model.hidden / layout.tp) as f64)
+            + o.microbatch;
         // Backward: twice the forward FLOPs (gradients for activations and for weights), the
         // same all-reduces; weights are re-read once, so compute dominates except at tiny sizes.
         let fwd_comm = self.tp_comm(model, layout, tokens);
-        let backward =
-            2.0 * (forward - fwd_comm) + fwd_comm + if recompute { forward } else { 0.0 };
+        let backward = 2.0 * (pass - fwd_comm)
+            + fwd_comm
+            + o.backward_terms(stage_layers, tokens, (model.hidden / layout.tp) as f64)
+            + if recompute { forward } else { 0.0 };
         let stages = layout.pp as f64;
         let pipeline = (m as f64 + stages - 1.0) * (forward + backward);
         let bubble_fraction = (stages - 1.0) / (m as f64 + stages - 1.0);
@@ -282,8 +313,12 @@ impl CostModel {
             pipeline,
             bubble_fraction,
             grad_allreduce,
-            optimizer,
-            total: pipeline + grad_allreduce + optimizer,
+            optimizer: optimizer + o.train_step + stage_layers * o.optimizer_layer,
+            total: pipeline
+                + grad_allreduce
+                + optimizer
+                + o.train_step
+                + stage_layers * o.optimizer_layer,
         }
     }
 

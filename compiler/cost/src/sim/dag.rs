@@ -27,8 +27,9 @@ pub struct Migration {
 
 /// A generation stage: `samples` prompts of `prompt_len` tokens, split evenly over
 /// `instances` engine instances (each on an equal share of the task's devices, tensor-parallel
-/// inside), decoded in lock-step batches. A decode step's time comes from the cost model as a
-/// function of the live batch, so the long tail runs at small batch.
+/// inside), decoded in lock-step batches of at most `max_batch` running samples. A decode
+/// step's time comes from the cost model as a function of the live batch, so the long tail
+/// runs at small batch.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct GenerateSpec {
     pub samples: u64,
@@ -38,7 +39,15 @@ pub struct GenerateSpec {
     pub model: ModelShape,
     pub cost: CostModel,
     pub migration: Option<Migration>,
+    /// Running samples an instance holds at most (Braid's engine: [`ENGINE_MAX_BATCH`]); the
+    /// rest wait and are prefilled and admitted as rows free (continuous batching). `None`:
+    /// every sample runs from the start.
+    pub max_batch: Option<u64>,
 }
+
+/// Running samples one instance of Braid's generation engine holds at most
+/// (`braid_runtime::EngineOptions::max_batch`'s default, which reads this constant).
+pub const ENGINE_MAX_BATCH: u64 = 32;
 
 /// What a task does.
 #[derive(Clone, Debug, PartialEq, Serialize)]

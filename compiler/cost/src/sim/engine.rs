@@ -604,11 +604,19 @@ struct Instance {
     /// Its devices were handed back (it drained before the migration and will not receive
     /// the tail).
     released: bool,
+    /// Lengths of samples not admitted yet (beyond `max_batch`), in admission order.
+    waiting: std::collections::VecDeque<u64>,
 }
 
 impl Instance {
+    /// Samples running (admitted, not finished).
     fn live(&self) -> u64 {
         (self.samples.len() - self.pos) as u64
+    }
+
+    /// Samples not finished: running or waiting for a row.
+    fn unfinished(&self) -> u64 {
+        self.live() + self.waiting.len() as u64
     }
 
     fn step_time(&self, g: &GenerateSpec, layout: Layout) -> f64 {
@@ -634,12 +642,37 @@ impl Instance {
         done
     }
 
-    /// Takes the unfinished samples out as (tokens left, current context).
-    fn drain(&mut self) -> Vec<(i64, i64)> {
-        let out = self.samples[self.pos..]
+    /// Admits waiting samples into the rows `max_batch` leaves free (continuous batching);
+    /// returns the prefill time the admitted prompts take.
+    fn admit(&mut self, g: &GenerateSpec, layout: Layout) -> f64 {
+        let cap = g.max_batch.unwrap_or(u64::MAX);
+        let free = cap
+            .saturating_sub(self.live())
+            .min(self.waiting.len() as u64);
+        if free == 0 {
+            return 0.0;
+        }
+        let admitted: Vec<(i64, i64)> = self
+            .waiting
+            .drain(..free as usize)
+            .map(|len| (len as i64, g.prompt_len as i64))
+            .collect();
+        self.receive(&admitted);
+        g.cost.prefill_time(&g.model, layout, free, g.prompt_len)
+    }
+
+    /// Takes the unfinished samples out as (tokens left, current context); waiting ones
+    /// leave with their whole length at the prompt's context.
+    fn drain(&mut self, prompt_len: u64) -> Vec<(i64, i64)> {
+        let mut out: Vec<(i64, i64)> = self.samples[self.pos..]
             .iter()
             .map(|&(fin, ctx0)| (fin - self.step, ctx0 + self.step))
             .collect();
+        out.extend(
+            self.waiting
+                .drain(..)
+                .map(|len| (len as i64, prompt_len as i64)),
+        );
         self.samples.truncate(self.pos);
         self.sum_ctx0 = 0;
         out
@@ -685,20 +718,17 @@ fn trace_generation(
             sum_ctx0: 0,
             decode_start: start,
             released: false,
+            waiting: Default::default(),
         })
         .collect();
     let count = insts.len();
     for (j, &len) in lens.iter().enumerate() {
-        insts[j % count]
-            .samples
-            .push((len as i64, g.prompt_len as i64));
+        insts[j % count].waiting.push_back(len);
     }
     let mut trace = GenerationTrace::default();
     for inst in &mut insts {
-        inst.samples.sort_unstable();
-        inst.sum_ctx0 = inst.samples.iter().map(|s| s.1).sum();
+        let prefill = inst.admit(g, layout);
         let batch = inst.live();
-        let prefill = g.cost.prefill_time(&g.model, layout, batch, g.prompt_len);
         trace.spans.push((
             inst.devices.clone(),
             format!("prefill ×{batch}"),
@@ -728,6 +758,7 @@ fn trace_generation(
                     if n > 0 {
                         trace.emits.push((inst.clock, n));
                     }
+                    inst.clock += inst.admit(g, layout);
                 }
             }
             t_m = insts.iter().map(|i| i.clock).fold(t_m, f64::max);
@@ -743,7 +774,7 @@ fn trace_generation(
                         inst.clock,
                     ));
                 }
-                moved.extend(inst.drain());
+                moved.extend(inst.drain(g.prompt_len));
                 released.extend(inst.devices.iter().copied());
             }
             // Each receiving instance gets every `keep`-th moved sample; each of its devices
@@ -809,13 +840,16 @@ fn trace_generation(
             live -= n;
             trace.emits.push((insts[k].clock, n));
         }
+        // Rows freed by finished samples take waiting ones (their prefill delays the step).
+        let g_prefill = insts[k].admit(g, layout);
+        insts[k].clock += g_prefill;
         // With migration, an instance that will not receive the tail hands its devices back
         // as soon as it drains, rather than idling until the migration.
         let inst = &mut insts[k];
         if let Some(m) = &g.migration
             && !migrated
             && k >= m.to_instances as usize
-            && inst.live() == 0
+            && inst.unfinished() == 0
             && !inst.released
         {
             inst.released = true;

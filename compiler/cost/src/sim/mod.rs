@@ -12,7 +12,9 @@ pub mod engine;
 pub mod lengths;
 pub mod trace;
 
-pub use dag::{Dag, DagBuilder, DagError, GenerateSpec, Migration, TaskId, TaskSpec, Work};
+pub use dag::{
+    Dag, DagBuilder, DagError, ENGINE_MAX_BATCH, GenerateSpec, Migration, TaskId, TaskSpec, Work,
+};
 pub use engine::{
     GenerationReport, IterationReport, SimError, SimOptions, SimReport, Span, StageSummary,
     StageTime, pick_migration_threshold, simulate,
@@ -77,6 +79,7 @@ mod tests {
                 threshold,
                 to_instances: 1,
             }),
+            max_batch: None,
         }))
     }
 
@@ -209,6 +212,52 @@ mod tests {
                 .expect("stage");
             assert!(inference.start >= g.end);
         }
+    }
+
+    /// Continuous batching: an instance holding at most `max_batch` rows decodes a batch
+    /// larger than that in waves, so equal-length samples take about as many times longer as
+    /// there are waves (a decode step at small batch is bound by the weights' reads, so a
+    /// wave's step costs about what a full batch's does); a cap at or above the batch changes
+    /// nothing.
+    #[test]
+    fn an_engine_batch_cap_decodes_in_waves() {
+        let cost = CostModel::new(DeviceKind::H100.spec(), 1);
+        let model = ModelShape::preset("llama-7b").expect("preset");
+        let time = |max_batch: Option<u64>| {
+            let mut b = DagBuilder::new(1);
+            b.task(
+                "generate",
+                "generate",
+                [0],
+                Work::Generate(Box::new(GenerateSpec {
+                    samples: 64,
+                    prompt_len: 32,
+                    instances: 1,
+                    lengths: LengthDist::Fixed { len: 128 },
+                    model: model.clone(),
+                    cost: cost.clone(),
+                    migration: None,
+                    max_batch,
+                })),
+            );
+            let dag = b.build().expect("valid DAG");
+            let r = simulate(
+                &dag,
+                &SimOptions {
+                    iterations: 1,
+                    seed: 1,
+                },
+            )
+            .expect("runs");
+            r.iterations[0].generations[0].end
+        };
+        let all = time(None);
+        assert_eq!(time(Some(64)), all);
+        assert_eq!(time(Some(1000)), all);
+        let two = time(Some(32));
+        let four = time(Some(16));
+        assert!(two > 1.6 * all && two < 2.2 * all, "{two} vs {all}");
+        assert!(four > 1.6 * two && four < 2.2 * two, "{four} vs {two}");
     }
 
     #[test]
@@ -529,6 +578,7 @@ mod tests {
                 model: ModelShape::preset("llama-7b").expect("preset"),
                 cost: CostModel::new(DeviceKind::A100.spec(), 8),
                 migration: None,
+                max_batch: None,
             }))
         };
         let per_sample = |samples| Work::PerSample {
