@@ -3,6 +3,7 @@
 //! compiler crates never depend on it. See docs/runtime.md for how models, the engine and its
 //! stream work, and the invariants with the tests that keep them.
 
+pub mod calibrate;
 pub mod cuda;
 pub mod device;
 pub mod dist;

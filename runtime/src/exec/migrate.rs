@@ -183,7 +183,7 @@ impl Realloc {
             .collect();
         lengths.sort_unstable();
         Realloc {
-            cost: exec.cluster.cost_model(),
+            cost: exec.cost_model(),
             shape: shape.clone(),
             prompt_len: exec.workload.prompt_len,
             lengths,
@@ -1226,7 +1226,7 @@ pub(super) fn tail_states(
         };
         let kv = kv.unwrap_or_else(|| {
             carry_kv(
-                &exec.cluster.cost_model(),
+                &exec.cost_model(),
                 shape,
                 moving,
                 exec.workload.prompt_len + max_new / 2,

@@ -498,6 +498,15 @@ impl<'p> Executor<'p> {
                             );
                         }
                         lengths = rollout.lengths();
+                        // The prompts' mean length, for `braid report --against-sim`.
+                        let prompts: Vec<f64> = rollout
+                            .samples
+                            .iter()
+                            .map(|s| s.rollout.prompt.len() as f64)
+                            .collect();
+                        if !prompts.is_empty() {
+                            m.insert("prompt_length".into(), mean_std(&prompts).0);
+                        }
                     }
                     let consumers: Vec<NodeId> = streamed.iter().map(|(n, _)| *n).collect();
                     for (n, v) in streamed {

@@ -107,7 +107,7 @@ pub enum SamplingPlace {
 impl Default for EngineOptions {
     fn default() -> Self {
         EngineOptions {
-            max_batch: 32,
+            max_batch: braid_cost::sim::ENGINE_MAX_BATCH as usize,
             speculate: SpeculateMode::Off,
             draft_len: None,
             sampling: SamplingPlace::Auto,

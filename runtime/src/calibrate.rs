@@ -1,0 +1,723 @@
+//! `braid calibrate`: measures, on the process (or the ranks) it runs on, the constants the cost
+//! model prices a device with, and fits them into a [`DeviceSpec`] for a device profile.
+//!
+//! What is measured, each with the runtime's own code on this device:
+//! - matrix products `rows × width` · `width × width` in the device's planning dtype, over a
+//!   grid of shapes ([`MatmulRate`]; the cost model interpolates between them);
+//! - memory bandwidth (a reduction over a buffer far larger than the caches);
+//! - the engine's decode steps and prefill, inference forwards and training micro-batches
+//!   (forward, backward) and optimizer steps of tiny Llama models with one and with three
+//!   layers. What each costs beyond the cost model's roofline for that shape — priced with the
+//!   measured rates above — is split into a part per layer and a part per pass
+//!   ([`Overheads`], [`fit`]);
+//! - with more than one CPU rank, Gloo all-reduces from 4 bytes to 4 MiB over all ranks: the
+//!   latency and bandwidth of the collective ([`fit_collective`]). GPU collectives (NCCL) are
+//!   not timed; a GPU profile keeps the datasheet's interconnect figures.
+//!
+//! Every rank measures at once, as the ranks of a run compute at once on a shared machine; the
+//! figures are averaged over the ranks.
+
+use std::time::Instant;
+
+use braid_cost::cost::{
+    CostModel, DeviceSpec, Layout, MatmulRate, ModelShape, Overheads, model::BYTE_VOCAB,
+};
+use tch::{Device, Kind, Tensor};
+
+use crate::dist::{ProcessGroup, ReduceOp};
+use crate::generation::engine::{EngineOptions, generate};
+use crate::generation::sampling::SamplingParams;
+use crate::models::model::Head;
+use crate::models::tiny::{TinyConfig, tiny_in};
+use crate::training::infer::{InferOptions, Rollout, logprobs, pad_batch};
+use crate::training::optim::AdamW;
+use crate::{Error, Result};
+
+/// The shapes of the matmul grid: rows (tokens of a pass) and widths (hidden sizes).
+pub const MATMUL_ROWS: [u64; 6] = [1, 4, 16, 64, 256, 1024];
+pub const MATMUL_WIDTHS: [u64; 5] = [32, 64, 128, 256, 512];
+/// Layer counts of the tiny models whose passes split overheads per layer and per pass.
+pub const LAYERS: [u64; 2] = [1, 3];
+/// The tiny models' widths (the examples' sizes, where per-operator costs dominate): the
+/// element-wise terms are fitted per unit of width over both.
+pub const HIDDENS: [u64; 2] = [64, 128];
+const HEADS: u64 = 4;
+const KV_HEADS: u64 = 2;
+/// Decode measurements: running rows, prompt length, and the two completion lengths whose
+/// difference is the steps' time.
+pub const DECODE_ROWS: [u64; 2] = [4, 32];
+pub const PROMPT_LEN: usize = 8;
+const NEW_SHORT: usize = 8;
+const NEW_LONG: usize = 40;
+/// Inference and training measurements: sequences per pass and their length.
+pub const PASS_SEQS: [u64; 2] = [2, 16];
+pub const PASS_LEN: usize = 48;
+/// All-reduce sizes in bytes.
+pub const COLLECTIVE_BYTES: [u64; 5] = [4, 4 << 10, 64 << 10, 1 << 20, 4 << 20];
+
+/// How long and on what to measure.
+#[derive(Clone, Debug)]
+pub struct Options {
+    /// Each timing repeats until at least this long has passed (and at least twice).
+    pub min_seconds: f64,
+    pub device: Device,
+    /// The dtype the device plans with (f32 on a CPU, bf16 on a GPU).
+    pub kind: Kind,
+}
+
+/// One timing of a pass of a tiny model: its width, its layers, its rows (running samples of a decode
+/// step or prefill, sequences of a forward or micro-batch; 0 for an optimizer step) and the
+/// seconds it took.
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct PassPoint {
+    pub hidden: u64,
+    pub layers: u64,
+    pub rows: u64,
+    pub secs: f64,
+}
+
+/// The timings of each pass kind on the tiny models, over [`LAYERS`] and two row counts.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct PassTimes {
+    /// Seconds per decode step (from the difference of two completion lengths).
+    pub decode_step: Vec<PassPoint>,
+    /// Seconds of the prefill (the short generation less its steps).
+    pub prefill: Vec<PassPoint>,
+    /// Seconds of one inference forward over `rows` sequences of [`PASS_LEN`] tokens.
+    pub forward: Vec<PassPoint>,
+    /// Seconds of one training micro-batch's forward and backward over the same sequences.
+    pub train_microbatch: Vec<PassPoint>,
+    /// Seconds of one optimizer step.
+    pub optimizer: Vec<PassPoint>,
+}
+
+/// Everything measured, before fitting.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Measurements {
+    pub matmul: Vec<MatmulRate>,
+    /// Bytes per second read by a reduction over a large buffer.
+    pub mem_bandwidth: f64,
+    pub passes: PassTimes,
+    /// `(bytes, seconds)` of all-reduces over every rank (empty on one rank).
+    pub allreduce: Vec<(u64, f64)>,
+    /// Ranks that measured at once.
+    pub ranks: usize,
+}
+
+/// Seconds per repetition of `f`, repeated for at least `min_seconds` (and twice), after one
+/// untimed warm-up call.
+fn time(min_seconds: f64, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    f()?;
+    let start = Instant::now();
+    let mut reps = 0u32;
+    loop {
+        f()?;
+        reps += 1;
+        let elapsed = start.elapsed().as_secs_f64();
+        if reps >= 2 && elapsed >= min_seconds {
+            return Ok(elapsed / f64::from(reps));
+        }
+    }
+}
+
+/// The tiny model of width `hidden` with `layers` layers that the pass measurements run.
+pub fn tiny_config(hidden: u64, layers: u64) -> TinyConfig {
+    TinyConfig {
+        layers: layers as i64,
+        hidden: hidden as i64,
+        heads: HEADS as i64,
+        kv_heads: KV_HEADS as i64,
+        intermediate: 4 * hidden as i64,
+        ..TinyConfig::default()
+    }
+}
+
+/// The cost model's shape of [`tiny_config`].
+pub fn tiny_shape(hidden: u64, layers: u64) -> Result<ModelShape> {
+    ModelShape::tiny(
+        layers,
+        hidden,
+        HEADS,
+        Some(KV_HEADS),
+        Some(4 * hidden),
+        BYTE_VOCAB,
+    )
+    .map_err(|e| Error::invalid("calibrate", e.to_string()))
+}
+
+/// Runs every measurement on this process; with `group`, every rank runs them at once, the
+/// figures are averaged over the ranks and the all-reduces are timed.
+pub fn measure(options: &Options, group: Option<&ProcessGroup>) -> Result<Measurements> {
+    let _guard = tch::no_grad_guard();
+    let opts = (options.kind, options.device);
+    let mut matmul = Vec::new();
+    for &width in &MATMUL_WIDTHS {
+        let w = Tensor::randn([width as i64, width as i64], opts);
+        for &rows in &MATMUL_ROWS {
+            let a = Tensor::randn([rows as i64, width as i64], opts);
+            let secs = time(options.min_seconds, || {
+                let c = a.matmul(&w);
+                sync(&c, options.device);
+                Ok(())
+            })?;
+            matmul.push(MatmulRate {
+                rows,
+                width,
+                flops: 2.0 * (rows * width * width) as f64 / secs,
+            });
+        }
+    }
+    // 256 MiB of f32: far beyond any cache, read once per repetition.
+    let big = Tensor::ones([64 << 20], (Kind::Float, options.device));
+    let secs = time(options.min_seconds, || {
+        let s = big.sum(Kind::Float);
+        sync(&s, options.device);
+        Ok(())
+    })?;
+    let mem_bandwidth = (256u64 << 20) as f64 / secs;
+    drop(big);
+    let mut passes = PassTimes::default();
+    for &hidden in &HIDDENS {
+        for &layers in &LAYERS {
+            measure_passes(options, hidden, layers, &mut passes)?;
+        }
+    }
+    let mut m = Measurements {
+        matmul,
+        mem_bandwidth,
+        passes,
+        allreduce: Vec::new(),
+        ranks: group.map_or(1, |g| g.size()),
+    };
+    if let Some(g) = group {
+        average_over(g, &mut m)?;
+    }
+    // The group is Gloo's: its all-reduces are what CPU ranks use. A GPU's collectives run
+    // on NCCL, which this measurement does not time; its datasheet figures stay.
+    if let Some(g) = group.filter(|_| options.device == Device::Cpu) {
+        for &bytes in &COLLECTIVE_BYTES {
+            let mut t = Tensor::zeros([(bytes / 4).max(1) as i64], (Kind::Float, options.device));
+            // Every rank runs the same number of repetitions: a fixed count sized by the first
+            // rank's timing would need agreement; the minimum repetitions of `time` are enough
+            // for the small sizes, so each size is repeated a fixed number of times instead.
+            g.barrier()?;
+            g.all_reduce(&mut t, ReduceOp::Sum)?;
+            let reps = if bytes >= 1 << 20 { 10 } else { 50 };
+            g.barrier()?;
+            let start = Instant::now();
+            for _ in 0..reps {
+                g.all_reduce(&mut t, ReduceOp::Sum)?;
+            }
+            sync(&t, options.device);
+            let mut secs = Tensor::from_slice(&[start.elapsed().as_secs_f64() / reps as f64]);
+            g.all_reduce(&mut secs, ReduceOp::Max)?;
+            m.allreduce.push((bytes, secs.double_value(&[0])));
+        }
+    }
+    Ok(m)
+}
+
+fn sync(t: &Tensor, device: Device) {
+    if let Device::Cuda(i) = device {
+        tch::Cuda::synchronize(i as i64);
+    }
+    std::hint::black_box(t);
+}
+
+/// Times the tiny model with `layers` layers: generation (two lengths, two batch sizes),
+/// inference forwards and training micro-batches (two sizes), and an optimizer step.
+fn measure_passes(options: &Options, hidden: u64, layers: u64, out: &mut PassTimes) -> Result<()> {
+    let (model, tokenizer) = tiny_in(
+        &tiny_config(hidden, layers),
+        Head::Lm,
+        options.kind,
+        options.device,
+    )?;
+    for rows in DECODE_ROWS {
+        let prompts: Vec<Vec<i64>> = (0..rows as usize)
+            .map(|p| {
+                (0..PROMPT_LEN)
+                    .map(|t| 3 + ((p * 31 + t * 7) % 200) as i64)
+                    .collect()
+            })
+            .collect();
+        let gen_time = |new: usize| -> Result<f64> {
+            let params = SamplingParams {
+                max_new_tokens: new,
+                // Sampled at temperature 1, as training rollouts are.
+                greedy: false,
+                stop_at_eos: false,
+                ..SamplingParams::default()
+            };
+            time(options.min_seconds, || {
+                let samples = generate(
+                    &model,
+                    &tokenizer,
+                    prompts.clone(),
+                    params.clone(),
+                    EngineOptions::default(),
+                )?;
+                if samples.iter().any(|s| s.token_ids.len() != new) {
+                    return Err(Error::invalid(
+                        "calibrate",
+                        "a calibration sample stopped before its length",
+                    ));
+                }
+                Ok(())
+            })
+        };
+        let short = gen_time(NEW_SHORT)?;
+        let long = gen_time(NEW_LONG)?;
+        let step = ((long - short) / (NEW_LONG - NEW_SHORT) as f64).max(0.0);
+        out.decode_step.push(PassPoint {
+            hidden,
+            layers,
+            rows,
+            secs: step,
+        });
+        out.prefill.push(PassPoint {
+            hidden,
+            layers,
+            rows,
+            secs: (short - NEW_SHORT as f64 * step).max(0.0),
+        });
+    }
+    let mut optimizer = AdamW::new(&model, optimizer_config())?;
+    for rows in PASS_SEQS {
+        let seqs: Vec<Rollout> = (0..rows as usize)
+            .map(|s| {
+                let ids: Vec<i64> = (0..PASS_LEN)
+                    .map(|t| 3 + ((s * 13 + t * 5) % 200) as i64)
+                    .collect();
+                Rollout {
+                    prompt: ids[..PASS_LEN / 2].to_vec(),
+                    completion: ids[PASS_LEN / 2..].to_vec(),
+                }
+            })
+            .collect();
+        let infer = InferOptions {
+            micro_batch: rows as usize,
+            temperature: 1.0,
+        };
+        out.forward.push(PassPoint {
+            hidden,
+            layers,
+            rows,
+            secs: time(options.min_seconds, || {
+                logprobs(&model, &seqs, &infer).map(|_| ())
+            })?,
+        });
+        // Training: the forward with gradients, the completion tokens' mean log-probability
+        // as the loss, its backward.
+        let refs: Vec<&Rollout> = seqs.iter().collect();
+        let (ids, mask) = pad_batch(&refs, 0, options.device);
+        let secs = tch::with_grad(|| {
+            time(options.min_seconds, || {
+                let logits = model.forward(&ids, Some(&mask))?;
+                let lp = logits.log_softmax(-1, Kind::Float).narrow(
+                    1,
+                    (PASS_LEN / 2) as i64,
+                    (PASS_LEN / 2) as i64,
+                );
+                let loss = -lp.mean(Kind::Float);
+                loss.backward();
+                Ok(())
+            })
+        })?;
+        out.train_microbatch.push(PassPoint {
+            hidden,
+            layers,
+            rows,
+            secs,
+        });
+    }
+    // AdamW over every parameter (the gradients of the micro-batches above are there).
+    let secs = tch::with_grad(|| {
+        time(options.min_seconds, || {
+            optimizer.step(1e-4, None);
+            Ok(())
+        })
+    })?;
+    out.optimizer.push(PassPoint {
+        hidden,
+        layers,
+        rows: 0,
+        secs,
+    });
+    Ok(())
+}
+
+fn optimizer_config() -> braid_ir::graph::Optimizer {
+    braid_ir::graph::Optimizer {
+        lr: 1e-4,
+        weight_decay: 0.0,
+        eps: 1e-8,
+        beta1: 0.9,
+        beta2: 0.999,
+        warmup: 0,
+        schedule: braid_ir::settings::LrSchedule::Constant,
+    }
+}
+
+/// Replaces every rank's compute figures by their mean over the ranks.
+fn average_over(g: &ProcessGroup, m: &mut Measurements) -> Result<()> {
+    let mut flat: Vec<f64> = m.matmul.iter().map(|r| r.flops).collect();
+    flat.push(m.mem_bandwidth);
+    let p = &m.passes;
+    for v in [
+        &p.decode_step,
+        &p.prefill,
+        &p.forward,
+        &p.train_microbatch,
+        &p.optimizer,
+    ] {
+        flat.extend(v.iter().map(|x| x.secs));
+    }
+    let mut t = Tensor::from_slice(&flat);
+    g.all_reduce(&mut t, ReduceOp::Avg)?;
+    let flat: Vec<f64> = Vec::<f64>::try_from(&t).map_err(Error::Torch)?;
+    let mut it = flat.into_iter();
+    for r in &mut m.matmul {
+        r.flops = it.next().unwrap_or(r.flops);
+    }
+    m.mem_bandwidth = it.next().unwrap_or(m.mem_bandwidth);
+    let p = &mut m.passes;
+    for v in [
+        &mut p.decode_step,
+        &mut p.prefill,
+        &mut p.forward,
+        &mut p.train_microbatch,
+        &mut p.optimizer,
+    ] {
+        for x in v.iter_mut() {
+            x.secs = it.next().unwrap_or(x.secs);
+        }
+    }
+    Ok(())
+}
+
+/// Latency and bandwidth of a ring all-reduce over `ranks` ranks from `(bytes, seconds)`
+/// points: the least-squares line `t = α + 2(n−1)/n · bytes / bw`. `None` when fewer than two
+/// sizes were measured or the fit has no positive slope.
+pub fn fit_collective(points: &[(u64, f64)], ranks: usize) -> Option<(f64, f64)> {
+    if points.len() < 2 || ranks < 2 {
+        return None;
+    }
+    let n = ranks as f64;
+    let xs: Vec<f64> = points
+        .iter()
+        .map(|&(b, _)| 2.0 * (n - 1.0) / n * b as f64)
+        .collect();
+    let ys: Vec<f64> = points.iter().map(|&(_, t)| t).collect();
+    let k = xs.len() as f64;
+    let (mx, my) = (xs.iter().sum::<f64>() / k, ys.iter().sum::<f64>() / k);
+    let sxx: f64 = xs.iter().map(|x| (x - mx) * (x - mx)).sum();
+    let sxy: f64 = xs.iter().zip(&ys).map(|(x, y)| (x - mx) * (y - my)).sum();
+    if sxx <= 0.0 || sxy <= 0.0 {
+        return None;
+    }
+    let slope = sxy / sxx;
+    // The smallest message's time is the latency the cost model adds to every collective.
+    let latency = points
+        .iter()
+        .min_by_key(|p| p.0)
+        .map(|p| p.1)
+        .unwrap_or(0.0);
+    Some((latency.max(0.0), 1.0 / slope))
+}
+
+/// Least squares: the coefficients `c` minimising `Σ (features(p)·c − y(p))²`, by the normal
+/// equations (Gaussian elimination with partial pivoting); `None` when they are singular.
+fn least_squares(rows: &[(Vec<f64>, f64)]) -> Option<Vec<f64>> {
+    let k = rows.first()?.0.len();
+    let mut a = vec![vec![0.0; k + 1]; k];
+    for (x, y) in rows {
+        for i in 0..k {
+            for j in 0..k {
+                a[i][j] += x[i] * x[j];
+            }
+            a[i][k] += x[i] * y;
+        }
+    }
+    for col in 0..k {
+        let pivot = (col..k).max_by(|&i, &j| a[i][col].abs().total_cmp(&a[j][col].abs()))?;
+        if a[pivot][col].abs() < 1e-30 {
+            return None;
+        }
+        a.swap(col, pivot);
+        let pivot_row = a[col].clone();
+        for (r, row) in a.iter_mut().enumerate() {
+            if r != col {
+                let f = row[col] / pivot_row[col];
+                for (v, p) in row.iter_mut().zip(&pivot_row).skip(col) {
+                    *v -= f * p;
+                }
+            }
+        }
+    }
+    Some((0..k).map(|i| a[i][k] / a[i][i]).collect())
+}
+
+/// The device entry the measurements give: `base` (the datasheet entry of the device's kind)
+/// with its FLOP/s table, memory bandwidth, per-pass overheads and (with more than one CPU
+/// rank) collective constants replaced by the measured ones. Efficiency factors become 1:
+/// measured rates are achieved rates. Each pass kind's time beyond the roofline (priced with
+/// the measured rates) is fitted to its [`Overheads`] terms by least squares over the tiny
+/// models' layer and row counts; a term fitted below zero is zero.
+pub fn fit(base: &DeviceSpec, m: &Measurements) -> Result<DeviceSpec> {
+    let mut d = base.clone();
+    d.matmul = m.matmul.clone();
+    let peak = m.matmul.iter().map(|r| r.flops).fold(0.0, f64::max);
+    if peak > 0.0 {
+        d.peak_flops = peak;
+    }
+    d.compute_efficiency = 1.0;
+    if m.mem_bandwidth > 0.0 {
+        d.mem_bandwidth = m.mem_bandwidth;
+        d.memory_efficiency = 1.0;
+    }
+    d.decode_layer_overhead = 0.0;
+    d.overheads = Overheads::default();
+    if let Some((latency, bw)) = fit_collective(&m.allreduce, m.ranks) {
+        d.intra_node_latency = latency;
+        d.intra_node_bandwidth = bw;
+        d.network_efficiency = 1.0;
+    }
+    // The roofline alone (no overheads), with the rates just measured.
+    let cost = CostModel::new(d.clone(), 1).for_dtype(4);
+    let p = &m.passes;
+    let grid = HIDDENS.len() * LAYERS.len() * 2;
+    for (v, what, n) in [
+        (&p.decode_step, "decode", grid),
+        (&p.prefill, "prefill", grid),
+        (&p.forward, "forward", grid),
+        (&p.train_microbatch, "training", grid),
+        (&p.optimizer, "optimizer", HIDDENS.len() * LAYERS.len()),
+    ] {
+        if v.len() != n {
+            return Err(Error::invalid(
+                "calibrate",
+                format!("{} {what} timings; the fit needs {n}", v.len()),
+            ));
+        }
+    }
+    let one = Layout::SINGLE;
+    let shape = |q: &PassPoint| tiny_shape(q.hidden, q.layers);
+    let fitted = |rows: Vec<(Vec<f64>, f64)>, what: &str| -> Result<Vec<f64>> {
+        least_squares(&rows)
+            .map(|c| c.into_iter().map(|x| x.max(0.0)).collect())
+            .ok_or_else(|| Error::invalid("calibrate", format!("the {what} timings do not fit")))
+    };
+    let context = (PROMPT_LEN + (NEW_SHORT + NEW_LONG) / 2) as u64;
+    let mut rows = Vec::new();
+    for q in &p.decode_step {
+        let roof = cost.decode_step_time(&shape(q)?, one, q.rows, context);
+        let (l, b, h) = (q.layers as f64, q.rows as f64, q.hidden as f64);
+        rows.push((vec![1.0, l, b, l * b * h], q.secs - roof));
+    }
+    let c = fitted(rows, "decode")?;
+    d.decode_layer_overhead = c[1];
+    let mut o = Overheads {
+        decode_step: c[0],
+        decode_row: c[2],
+        decode_row_layer: c[3],
+        ..Overheads::default()
+    };
+    let tokens = |q: &PassPoint| (q.rows as usize * PASS_LEN) as f64;
+    let mut rows = Vec::new();
+    for q in &p.forward {
+        let roof = cost.forward_time(&shape(q)?, one, q.rows, PASS_LEN as u64);
+        let (l, t, h) = (q.layers as f64, tokens(q), q.hidden as f64);
+        rows.push((vec![1.0, l, t, l * t * h], q.secs - roof));
+    }
+    let c = fitted(rows, "forward")?;
+    (
+        o.forward,
+        o.forward_layer,
+        o.forward_token,
+        o.forward_token_layer,
+    ) = (c[0], c[1], c[2], c[3]);
+    // The prefill is a forward over the prompts: what is left after its forward terms is its
+    // fixed part (the mean over the timings).
+    let mut left = Vec::new();
+    for q in &p.prefill {
+        let roof = cost.prefill_time(&shape(q)?, one, q.rows, PROMPT_LEN as u64);
+        let t = (q.rows as usize * PROMPT_LEN) as f64;
+        left.push(q.secs - roof - o.forward_terms(q.layers as f64, t, q.hidden as f64));
+    }
+    o.prefill = (left.iter().sum::<f64>() / left.len() as f64).max(0.0);
+    // A micro-batch: its forward (with the forward's terms) and its backward.
+    let mut rows = Vec::new();
+    for q in &p.train_microbatch {
+        let t = cost.train_step_time(&shape(q)?, one, q.rows, PASS_LEN as u64, 1, false);
+        let (l, tok, h) = (q.layers as f64, tokens(q), q.hidden as f64);
+        let left = q.secs - t.forward - t.backward - o.forward_terms(l, tok, h);
+        rows.push((vec![1.0, l, tok, l * tok * h], left));
+    }
+    let c = fitted(rows, "training")?;
+    (
+        o.microbatch,
+        o.backward_layer,
+        o.backward_token,
+        o.backward_token_layer,
+    ) = (c[0], c[1], c[2], c[3]);
+    let mut rows = Vec::new();
+    for q in &p.optimizer {
+        let t = cost.train_step_time(&shape(q)?, one, 1, PASS_LEN as u64, 1, false);
+        rows.push((vec![1.0, q.layers as f64], q.secs - t.optimizer));
+    }
+    let c = fitted(rows, "optimizer")?;
+    (o.train_step, o.optimizer_layer) = (c[0], c[1]);
+    d.overheads = o;
+    d.check().map_err(|e| Error::invalid("calibrate", e))?;
+    Ok(d)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use braid_cost::cost::DeviceKind;
+
+    #[test]
+    fn a_collective_line_is_recovered() {
+        let (alpha, bw) = (50e-6, 2e9);
+        let n = 2usize;
+        let points: Vec<(u64, f64)> = COLLECTIVE_BYTES
+            .iter()
+            .map(|&b| (b, alpha + b as f64 / bw))
+            .collect();
+        let (lat, got) = fit_collective(&points, n).expect("fits");
+        assert!((got - bw).abs() / bw < 1e-6, "{got}");
+        assert!((lat - alpha).abs() < 1e-5, "{lat}");
+        assert_eq!(fit_collective(&points[..1], n), None);
+        assert_eq!(fit_collective(&points, 1), None);
+    }
+
+    /// Timings made by a cost model with known overheads are fitted back to those overheads.
+    #[test]
+    fn overheads_priced_by_a_known_spec_are_recovered() {
+        let mut truth = DeviceSpec::cpu(5e9, 16 << 30);
+        truth.compute_efficiency = 1.0;
+        truth.memory_efficiency = 1.0;
+        truth.decode_layer_overhead = 40e-6;
+        truth.overheads = Overheads {
+            decode_step: 300e-6,
+            decode_row: 7e-6,
+            decode_row_layer: 0.02e-6,
+            prefill: 500e-6,
+            forward: 800e-6,
+            forward_layer: 60e-6,
+            forward_token: 0.3e-6,
+            forward_token_layer: 0.002e-6,
+            microbatch: 100e-6,
+            backward_layer: 120e-6,
+            backward_token: 0.5e-6,
+            backward_token_layer: 0.004e-6,
+            train_step: 90e-6,
+            optimizer_layer: 30e-6,
+        };
+        let cost = CostModel::new(truth.clone(), 1).for_dtype(4);
+        let one = Layout::SINGLE;
+        let ctx = (PROMPT_LEN + (NEW_SHORT + NEW_LONG) / 2) as u64;
+        let mut p = PassTimes::default();
+        for (&hidden, &layers) in HIDDENS
+            .iter()
+            .flat_map(|h| LAYERS.iter().map(move |l| (h, l)))
+        {
+            let s = tiny_shape(hidden, layers).unwrap();
+            let pt = |rows, secs| PassPoint {
+                hidden,
+                layers,
+                rows,
+                secs,
+            };
+            for rows in DECODE_ROWS {
+                p.decode_step
+                    .push(pt(rows, cost.decode_step_time(&s, one, rows, ctx)));
+                p.prefill.push(pt(
+                    rows,
+                    cost.prefill_time(&s, one, rows, PROMPT_LEN as u64),
+                ));
+            }
+            for rows in PASS_SEQS {
+                p.forward
+                    .push(pt(rows, cost.forward_time(&s, one, rows, PASS_LEN as u64)));
+                let t = cost.train_step_time(&s, one, rows, PASS_LEN as u64, 1, false);
+                p.train_microbatch.push(pt(rows, t.forward + t.backward));
+            }
+            let t = cost.train_step_time(&s, one, 1, PASS_LEN as u64, 1, false);
+            p.optimizer.push(pt(0, t.optimizer));
+        }
+        let m = Measurements {
+            matmul: MATMUL_WIDTHS
+                .iter()
+                .flat_map(|&width| {
+                    MATMUL_ROWS.iter().map(move |&rows| MatmulRate {
+                        rows,
+                        width,
+                        flops: 5e9,
+                    })
+                })
+                .collect(),
+            mem_bandwidth: truth.mem_bandwidth,
+            passes: p,
+            allreduce: Vec::new(),
+            ranks: 1,
+        };
+        let base = DeviceKind::Cpu.spec();
+        let got = fit(&base, &m).expect("fits");
+        let close = |a: f64, b: f64| (a - b).abs() < 1e-10 + 1e-5 * b.abs();
+        assert!(close(got.decode_layer_overhead, 40e-6), "{got:?}");
+        let (o, t) = (&got.overheads, &truth.overheads);
+        for (name, a, b) in [
+            ("decode_step", o.decode_step, t.decode_step),
+            ("decode_row", o.decode_row, t.decode_row),
+            ("decode_row_layer", o.decode_row_layer, t.decode_row_layer),
+            ("prefill", o.prefill, t.prefill),
+            ("forward", o.forward, t.forward),
+            ("forward_layer", o.forward_layer, t.forward_layer),
+            ("forward_token", o.forward_token, t.forward_token),
+            (
+                "forward_token_layer",
+                o.forward_token_layer,
+                t.forward_token_layer,
+            ),
+            ("microbatch", o.microbatch, t.microbatch),
+            ("backward_layer", o.backward_layer, t.backward_layer),
+            ("backward_token", o.backward_token, t.backward_token),
+            (
+                "backward_token_layer",
+                o.backward_token_layer,
+                t.backward_token_layer,
+            ),
+            ("train_step", o.train_step, t.train_step),
+            ("optimizer_layer", o.optimizer_layer, t.optimizer_layer),
+        ] {
+            assert!(close(a, b), "{name}: fitted {a}, priced with {b}");
+        }
+        // One rank: the collective constants stay the datasheet's.
+        assert_eq!(got.intra_node_latency, base.intra_node_latency);
+    }
+
+    #[test]
+    fn least_squares_solves_an_exact_system_and_refuses_a_singular_one() {
+        let rows = vec![
+            (vec![1.0, 1.0], 3.0),
+            (vec![1.0, 2.0], 5.0),
+            (vec![1.0, 3.0], 7.0),
+        ];
+        let c = least_squares(&rows).unwrap();
+        assert!(
+            (c[0] - 1.0).abs() < 1e-12 && (c[1] - 2.0).abs() < 1e-12,
+            "{c:?}"
+        );
+        assert_eq!(least_squares(&[(vec![1.0, 2.0], 1.0)]), None);
+    }
+
+    #[test]
+    fn missing_timings_are_an_error_not_a_panic() {
+        let m = Measurements::default();
+        let e = fit(&DeviceKind::Cpu.spec(), &m).unwrap_err().to_string();
+        assert!(e.contains("timings"), "{e}");
+    }
+}
