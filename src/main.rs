@@ -4,6 +4,9 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+mod against;
+#[cfg(feature = "runtime")]
+mod calibrate;
 mod check;
 mod diag;
 mod eval;
@@ -32,6 +35,9 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Measure this device's cost-model constants and write a device profile.
+    #[cfg(feature = "runtime")]
+    Calibrate(calibrate::Args),
     /// Parse and check programs; report diagnostics.
     Check(check::Args),
     /// Rewrite programs in the canonical layout.
@@ -60,6 +66,8 @@ enum Command {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
+        #[cfg(feature = "runtime")]
+        Command::Calibrate(args) => calibrate::run(args),
         Command::Check(args) => check::run(args),
         Command::Fmt(args) => fmt::run(args),
         Command::Eval(args) => eval::run(args),

@@ -48,6 +48,19 @@ pub struct PlanInputs {
     /// reshard-insert, speculate.
     #[arg(long = "disable-pass", value_name = "NAME")]
     pub disable_pass: Vec<String>,
+    /// Price the plan with a device profile written by `braid calibrate` instead of the
+    /// device's datasheet entry (it must be for the cluster's kind of device).
+    #[arg(long, value_name = "FILE")]
+    pub profile: Option<PathBuf>,
+}
+
+/// The device entry of a profile file (`braid calibrate`); the message names the file.
+pub fn profile(path: &Path) -> Result<braid_cost::cost::DeviceSpec, String> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| format!("{}: cannot read: {e}", path.display()))?;
+    braid_cost::cost::DeviceProfile::from_json(&text)
+        .map(|p| p.device)
+        .map_err(|e| format!("{}: {e}", path.display()))
 }
 
 #[derive(clap::Args)]
@@ -136,11 +149,19 @@ pub fn options(inputs: &PlanInputs, file: &Path) -> Result<Options, ExitCode> {
         Some(spec) => Some(lengths(spec).map_err(|e| fail(file, e))?),
         None => None,
     };
+    let profile = match &inputs.profile {
+        Some(p) => Some(profile(p).map_err(|e| {
+            eprintln!("error: {e}");
+            ExitCode::from(2)
+        })?),
+        None => None,
+    };
     Ok(Options {
         cluster,
         lengths,
         prompt_len: inputs.prompt_len,
         disabled_passes: inputs.disable_pass.clone(),
+        profile,
         ..Options::default()
     })
 }
@@ -166,6 +187,10 @@ pub fn compile(
     };
     if !c.diagnostics.is_empty() {
         diag::print(&c.diagnostics, &c.sources, diag::Format::Human);
+    }
+    if let Some(e) = &c.usage {
+        eprintln!("error: {name}: {e}");
+        return Err(ExitCode::from(2));
     }
     if let Some(e) = &c.internal {
         eprintln!("error: {name}: internal error: {e}; please report it");
@@ -245,9 +270,10 @@ pub fn run(args: Args) -> ExitCode {
             || args.inputs.gen_lengths.is_some()
             || args.inputs.prompt_len.is_some()
             || !args.inputs.disable_pass.is_empty()
+            || args.inputs.profile.is_some()
         {
             eprintln!(
-                "error: {}: a plan file is already planned; --cluster, --gen-lengths, --prompt-len, --disable-pass and --dump-after apply to programs",
+                "error: {}: a plan file is already planned; --cluster, --gen-lengths, --prompt-len, --disable-pass, --profile and --dump-after apply to programs",
                 args.file.display()
             );
             return ExitCode::from(2);

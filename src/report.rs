@@ -15,9 +15,48 @@ pub struct Args {
     /// Where to write the page (default RUN_DIR/report.html).
     #[arg(long, short)]
     out: Option<PathBuf>,
+    /// Instead of the page, print the run's measured iteration and stage times beside what
+    /// `braid sim` predicts for the same plan and workload (the run's own prompt lengths).
+    #[arg(long)]
+    against_sim: bool,
+    /// With --against-sim: price the plan with this device profile (`braid calibrate`)
+    /// instead of the one the plan was made with.
+    #[arg(long, value_name = "FILE", requires = "against_sim")]
+    profile: Option<PathBuf>,
+    /// With --against-sim: a run of the same program without streaming (`braid run
+    /// --no-fuse`), for the measured and the predicted gain of streaming.
+    #[arg(long, value_name = "RUN_DIR", requires = "against_sim")]
+    unfused: Option<PathBuf>,
+    /// With --against-sim: print JSON.
+    #[arg(long, requires = "against_sim")]
+    json: bool,
 }
 
 pub fn run(args: Args) -> ExitCode {
+    if args.against_sim {
+        return match crate::against::against_sim(
+            &args.run_dir,
+            args.profile.as_deref(),
+            args.unfused.as_deref(),
+        ) {
+            Ok(c) => {
+                if args.json {
+                    println!(
+                        "{}",
+                        serde_json::to_string_pretty(&crate::against::to_json(&c))
+                            .unwrap_or_else(|e| e.to_string())
+                    );
+                } else {
+                    print!("{}", crate::against::to_text(&c));
+                }
+                ExitCode::SUCCESS
+            }
+            Err((msg, code)) => {
+                eprintln!("error: {msg}");
+                ExitCode::from(code)
+            }
+        };
+    }
     match report(&args) {
         Ok(path) => {
             println!("{}", path.display());
@@ -30,11 +69,11 @@ pub fn run(args: Args) -> ExitCode {
     }
 }
 
-type Series = BTreeMap<String, Vec<(f64, f64)>>;
+pub(crate) type Series = BTreeMap<String, Vec<(f64, f64)>>;
 /// Every step's metrics, by name (with `step`).
-type Rows = Vec<BTreeMap<String, f64>>;
+pub(crate) type Rows = Vec<BTreeMap<String, f64>>;
 
-fn read_metrics(run_dir: &std::path::Path) -> Result<(Series, Rows), (String, u8)> {
+pub(crate) fn read_metrics(run_dir: &std::path::Path) -> Result<(Series, Rows), (String, u8)> {
     let path = run_dir.join("metrics.jsonl");
     let text = std::fs::read_to_string(&path).map_err(|e| {
         (

@@ -81,6 +81,10 @@ pub struct Args {
     /// whether it pays): `on` (the default) or `off`.
     #[arg(long, value_name = "ON_OFF", value_parser = ["on", "off"], default_value = "on")]
     reallocate: String,
+    /// Plan the program with a device profile written by `braid calibrate` (for the kind of
+    /// device the run uses) instead of the datasheet entry; the plan records it.
+    #[arg(long, value_name = "FILE")]
+    profile: Option<PathBuf>,
 }
 
 struct Fail(String, u8);
@@ -108,7 +112,7 @@ fn runtime_err(e: braid_runtime::Error) -> Fail {
 /// The device this process runs on, and the cluster a program with no `cluster` block is
 /// planned for: one device per process of the world it was launched into (CPU processes, or
 /// one GPU per process on each node).
-fn this_world(world: &World) -> (braid_runtime::Device, ClusterSpec) {
+pub(crate) fn this_world(world: &World) -> (braid_runtime::Device, ClusterSpec) {
     let gpu = braid_runtime::device::default_device() != braid_runtime::Device::Cpu;
     let device = if gpu {
         braid_runtime::Device::Cuda(world.local_rank)
@@ -145,10 +149,15 @@ fn compile(file: &Path, args: &Args, world: ClusterSpec) -> Result<ExecPlan, Fai
         Some(spec) => Some(gen_lengths(spec)?),
         None => None,
     };
+    let profile = match &args.profile {
+        Some(p) => Some(crate::plan::profile(p).map_err(|e| Fail(e, 2))?),
+        None => None,
+    };
     let options = braid_driver::Options {
         default_cluster: Some(world),
         fuse_off: args.no_fuse,
         lengths,
+        profile,
         ..braid_driver::Options::default()
     };
     let compiled = crate::plan::compile(file, &options, true, &mut |_, _| {})
@@ -209,6 +218,15 @@ fn execute(args: &Args) -> Result<(), Fail> {
                     return Err(Fail(
                         format!(
                             "{}: a plan file says what streams; plan the program with `braid plan FILE --emit PLAN.json` and a `fuse off` pin instead of --no-fuse",
+                            file.display()
+                        ),
+                        2,
+                    ));
+                }
+                if args.profile.is_some() {
+                    return Err(Fail(
+                        format!(
+                            "{}: a plan file was priced when it was planned; give --profile to `braid plan FILE --emit PLAN.json` instead",
                             file.display()
                         ),
                         2,

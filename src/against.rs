@@ -1,0 +1,256 @@
+//! `braid report RUN_DIR --against-sim`: a run's measured iteration and stage times beside
+//! what the simulator predicts for the plan the run executed, on the same workload — the
+//! plan's generated-length distribution (the one `braid run --gen-lengths` imposed, when it
+//! was given) and the prompts' mean length as the run recorded it — and, given a run of the
+//! same program without streaming, the measured and the predicted gain of streaming.
+
+use std::fmt::Write as _;
+use std::path::Path;
+
+use braid_cost::sim::SimOptions;
+use braid_ir::exec_plan::ExecPlan;
+use braid_passes::annotated::Annotated;
+use braid_passes::to_sim::{simulate_plan, summarise};
+
+/// Seconds per iteration, by stage.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Times {
+    pub iteration: f64,
+    pub generation: f64,
+    /// Inference left after the generation ended.
+    pub inference_after_generation: f64,
+    pub training: f64,
+}
+
+/// One run against its prediction.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RunAgainstSim {
+    pub run_dir: String,
+    /// Steps whose times are averaged (the first, warm-up step is left out when there are
+    /// more).
+    pub steps: usize,
+    pub prompt_len: u64,
+    pub measured: Times,
+    pub predicted: Times,
+    /// Predicted over measured iteration time, less one (−0.1: predicted 10 % short).
+    pub iteration_error: f64,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct AgainstSim {
+    pub device: String,
+    pub run: RunAgainstSim,
+    pub unfused: Option<RunAgainstSim>,
+    /// Unfused over fused iteration time: measured and predicted.
+    pub streaming_gain: Option<(f64, f64)>,
+}
+
+type Fail = (String, u8);
+
+fn one_run(
+    dir: &Path,
+    profile: Option<&braid_cost::cost::DeviceSpec>,
+) -> Result<(RunAgainstSim, String), Fail> {
+    let (_, rows) = crate::report::read_metrics(dir)?;
+    let plan_path = dir.join("plan.json");
+    let text = std::fs::read_to_string(&plan_path)
+        .map_err(|e| (format!("{}: cannot read: {e}", plan_path.display()), 2))?;
+    let mut plan =
+        ExecPlan::from_json(&text).map_err(|e| (format!("{}: {e}", plan_path.display()), 1))?;
+    if let Some(d) = profile {
+        if d.kind != plan.cluster.device {
+            return Err((
+                format!(
+                    "the profile is for `{}`, the run in {} ran on `{}`",
+                    d.kind.name(),
+                    dir.display(),
+                    plan.cluster.device.name()
+                ),
+                2,
+            ));
+        }
+        plan.device = Some(d.clone());
+    }
+    // The steady state: every step after the first, unless there is only one.
+    let used: Vec<_> = if rows.len() > 1 {
+        rows[1..].to_vec()
+    } else {
+        rows.clone()
+    };
+    if used.is_empty() {
+        return Err((
+            format!("{}: no steps recorded", dir.join("metrics.jsonl").display()),
+            1,
+        ));
+    }
+    let mean = |k: &str| -> f64 {
+        used.iter()
+            .map(|r| r.get(k).copied().unwrap_or(0.0))
+            .sum::<f64>()
+            / used.len() as f64
+    };
+    if used.iter().all(|r| !r.contains_key("time/step")) {
+        return Err((
+            format!(
+                "{}: no `time/step` metric: not a training run of this braid",
+                dir.join("metrics.jsonl").display()
+            ),
+            1,
+        ));
+    }
+    let measured = Times {
+        iteration: mean("time/step"),
+        generation: mean("time/generate"),
+        inference_after_generation: mean("time/infer"),
+        training: mean("time/train"),
+    };
+    let prompt = mean("prompt_length");
+    if prompt >= 1.0 {
+        plan.workload.prompt_len = prompt.round() as u64;
+    }
+    let a = Annotated::from_exec_plan(&plan);
+    let r = simulate_plan(
+        &a,
+        true,
+        &SimOptions {
+            iterations: 1,
+            seed: plan.seed,
+        },
+    )
+    .map_err(|e| {
+        (
+            format!(
+                "{}: the plan could not be simulated: {e}",
+                plan_path.display()
+            ),
+            1,
+        )
+    })?;
+    let s = summarise("braid", &r);
+    let predicted = Times {
+        iteration: s.mean_iteration_seconds,
+        generation: s.breakdown.generation,
+        inference_after_generation: s.breakdown.inference_after_generation,
+        training: s.training_seconds,
+    };
+    let device = if plan.device.is_some() {
+        format!("{} (profile)", plan.cluster)
+    } else {
+        format!("{} (datasheet)", plan.cluster)
+    };
+    Ok((
+        RunAgainstSim {
+            run_dir: dir.display().to_string(),
+            steps: used.len(),
+            prompt_len: plan.workload.prompt_len,
+            iteration_error: predicted.iteration / measured.iteration.max(1e-12) - 1.0,
+            measured,
+            predicted,
+        },
+        device,
+    ))
+}
+
+pub fn against_sim(
+    run_dir: &Path,
+    profile: Option<&Path>,
+    unfused: Option<&Path>,
+) -> Result<AgainstSim, Fail> {
+    let profile = match profile {
+        Some(p) => Some(crate::plan::profile(p).map_err(|e| (e, 2))?),
+        None => None,
+    };
+    let (run, device) = one_run(run_dir, profile.as_ref())?;
+    let unfused = match unfused {
+        Some(d) => Some(one_run(d, profile.as_ref())?.0),
+        None => None,
+    };
+    let streaming_gain = unfused.as_ref().map(|u| {
+        (
+            u.measured.iteration / run.measured.iteration.max(1e-12),
+            u.predicted.iteration / run.predicted.iteration.max(1e-12),
+        )
+    });
+    Ok(AgainstSim {
+        device,
+        run,
+        unfused,
+        streaming_gain,
+    })
+}
+
+pub fn to_text(c: &AgainstSim) -> String {
+    let mut s = String::new();
+    let ms = |x: f64| format!("{:.1} ms", x * 1e3);
+    let mut table = |r: &RunAgainstSim, title: &str| {
+        let _ = writeln!(
+            s,
+            "{title}: {} ({} steps, prompts of {} tokens)",
+            r.run_dir, r.steps, r.prompt_len
+        );
+        let _ = writeln!(
+            s,
+            "{:<28} {:>12} {:>12} {:>8}",
+            "", "measured", "predicted", "error"
+        );
+        for (name, m, p) in [
+            ("iteration", r.measured.iteration, r.predicted.iteration),
+            ("generation", r.measured.generation, r.predicted.generation),
+            (
+                "inference after generation",
+                r.measured.inference_after_generation,
+                r.predicted.inference_after_generation,
+            ),
+            ("training", r.measured.training, r.predicted.training),
+        ] {
+            let err = if m > 0.0 {
+                format!("{:+.0} %", (p / m - 1.0) * 100.0)
+            } else {
+                "—".into()
+            };
+            let _ = writeln!(s, "{name:<28} {:>12} {:>12} {:>8}", ms(m), ms(p), err);
+        }
+    };
+    table(&c.run, &format!("run on {}", c.device));
+    if let Some(u) = &c.unfused {
+        table(u, "without streaming");
+    }
+    if let Some((m, p)) = c.streaming_gain {
+        let _ = writeln!(
+            s,
+            "gain of streaming (iteration without over with): measured {m:.2}x, predicted {p:.2}x (difference {:+.2}x)",
+            p - m
+        );
+    }
+    s
+}
+
+fn times_json(t: &Times) -> serde_json::Value {
+    serde_json::json!({
+        "iteration": t.iteration,
+        "generation": t.generation,
+        "inference_after_generation": t.inference_after_generation,
+        "training": t.training,
+    })
+}
+
+fn run_json(r: &RunAgainstSim) -> serde_json::Value {
+    serde_json::json!({
+        "run_dir": r.run_dir,
+        "steps": r.steps,
+        "prompt_len": r.prompt_len,
+        "measured": times_json(&r.measured),
+        "predicted": times_json(&r.predicted),
+        "iteration_error": r.iteration_error,
+    })
+}
+
+/// The comparison as JSON (`--json`).
+pub fn to_json(c: &AgainstSim) -> serde_json::Value {
+    serde_json::json!({
+        "device": c.device,
+        "run": run_json(&c.run),
+        "unfused": c.unfused.as_ref().map(run_json),
+        "streaming_gain": c.streaming_gain.map(|(m, p)| serde_json::json!({"measured": m, "predicted": p})),
+    })
+}

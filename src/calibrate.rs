@@ -1,0 +1,184 @@
+//! `braid calibrate`: measures this device's cost-model constants on the ranks it runs on (one
+//! process, or every rank under `braid launch`) and writes a device profile that `braid plan`,
+//! `braid sim` and `braid run` take with `--profile FILE`. The measuring and fitting is
+//! `braid_runtime::calibrate`'s; this command reports progress and writes the file.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use braid_cost::cost::DeviceProfile;
+use braid_runtime::Kind;
+use braid_runtime::calibrate::{self, Measurements};
+use braid_runtime::dist::{GroupOptions, ProcessGroup, World};
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Where to write the device profile.
+    #[arg(long, short, default_value = "profile.json")]
+    out: PathBuf,
+    /// Seconds each timing repeats for at least (longer is steadier on a busy machine).
+    #[arg(long, value_name = "SECONDS", default_value_t = 0.2)]
+    min_seconds: f64,
+    /// libtorch threads per process, as `braid run --threads` (default 1).
+    #[arg(long, default_value_t = 1)]
+    threads: usize,
+    /// Seconds any rank waits for the others before giving up (several ranks).
+    #[arg(long, value_name = "SECONDS", default_value_t = 600)]
+    dist_timeout: u64,
+}
+
+pub fn run(args: Args) -> ExitCode {
+    match calibrate_here(&args) {
+        Ok(Some(summary)) => {
+            println!("{summary}");
+            ExitCode::SUCCESS
+        }
+        Ok(None) => ExitCode::SUCCESS,
+        Err((msg, code)) => {
+            eprintln!("error: {msg}");
+            ExitCode::from(code)
+        }
+    }
+}
+
+/// Measures and, on rank 0, writes the profile; returns what rank 0 prints.
+fn calibrate_here(args: &Args) -> Result<Option<String>, (String, u8)> {
+    if !(args.min_seconds.is_finite() && args.min_seconds > 0.0) {
+        return Err((
+            format!(
+                "--min-seconds {}: must be a positive number",
+                args.min_seconds
+            ),
+            2,
+        ));
+    }
+    let world = World::from_env().map_err(|e| (e.to_string(), 2))?;
+    let (device, cluster) = crate::run::this_world(&world);
+    braid_runtime::device::set_cpu_threads(args.threads.max(1));
+    let lead = world.rank == 0;
+    let group = if world.size > 1 {
+        Some(
+            ProcessGroup::init(
+                &world,
+                GroupOptions::gloo(Duration::from_secs(args.dist_timeout.max(1))),
+            )
+            .map_err(|e| (e.to_string(), 1))?,
+        )
+    } else {
+        None
+    };
+    let kind = if device == braid_runtime::Device::Cpu {
+        Kind::Float
+    } else {
+        Kind::BFloat16
+    };
+    if lead {
+        eprintln!(
+            "calibrating {} ({} rank{}, {} thread{} each): matmuls, memory bandwidth, the passes of tiny models{}",
+            cluster.device.name(),
+            world.size,
+            if world.size == 1 { "" } else { "s" },
+            args.threads.max(1),
+            if args.threads.max(1) == 1 { "" } else { "s" },
+            if world.size > 1 && device == braid_runtime::Device::Cpu {
+                ", all-reduces"
+            } else {
+                ""
+            }
+        );
+    }
+    let start = Instant::now();
+    let options = calibrate::Options {
+        min_seconds: args.min_seconds,
+        device,
+        kind,
+    };
+    let m = calibrate::measure(&options, group.as_ref()).map_err(|e| (e.to_string(), 1))?;
+    let base = cluster.device.spec();
+    let spec = calibrate::fit(&base, &m).map_err(|e| (e.to_string(), 1))?;
+    if let Some(g) = group {
+        g.shutdown().map_err(|e| (e.to_string(), 1))?;
+    }
+    if !lead {
+        return Ok(None);
+    }
+    let measured = measured_json(&m, &world, args, start.elapsed().as_secs_f64());
+    let profile = DeviceProfile::new(spec, measured);
+    let text = serde_json::to_string_pretty(&profile)
+        .map_err(|e| (format!("cannot serialise the profile: {e}"), 1))?
+        + "\n";
+    std::fs::write(&args.out, text)
+        .map_err(|e| (format!("{}: cannot write: {e}", args.out.display()), 1))?;
+    let d = &profile.device;
+    let o = &d.overheads;
+    let mut s = format!(
+        "wrote {} in {:.1} s\n  matmul {:.2}–{:.2} GFLOP/s over {} shapes; memory {:.1} GB/s\n  decode step: {:.0} µs + {:.0} µs per layer + {:.1} µs per row + {:.1} µs per row, layer and 1,000 units of width\n  forward: {:.0} µs + {:.0} µs per layer + {:.2} µs per token + {:.2} µs per token, layer and 1,000 units of width (prefill {:.0} µs more)\n  backward: {:.0} µs + {:.0} µs per layer + {:.2} µs per token + {:.2} µs per token, layer and 1,000 units of width\n  optimizer step: {:.0} µs + {:.0} µs per layer",
+        args.out.display(),
+        start.elapsed().as_secs_f64(),
+        d.matmul
+            .iter()
+            .map(|r| r.flops)
+            .fold(f64::INFINITY, f64::min)
+            / 1e9,
+        d.peak_flops / 1e9,
+        d.matmul.len(),
+        d.mem_bandwidth / 1e9,
+        o.decode_step * 1e6,
+        d.decode_layer_overhead * 1e6,
+        o.decode_row * 1e6,
+        o.decode_row_layer * 1e9,
+        o.forward * 1e6,
+        o.forward_layer * 1e6,
+        o.forward_token * 1e6,
+        o.forward_token_layer * 1e9,
+        o.prefill * 1e6,
+        o.microbatch * 1e6,
+        o.backward_layer * 1e6,
+        o.backward_token * 1e6,
+        o.backward_token_layer * 1e9,
+        o.train_step * 1e6,
+        o.optimizer_layer * 1e6,
+    );
+    if m.allreduce.is_empty() {
+        s.push_str(
+            "\n  collectives: not measured (one rank, or GPUs); the datasheet's figures are kept",
+        );
+    } else {
+        s.push_str(&format!(
+            "\n  all-reduce over {} ranks: latency {:.0} µs, bandwidth {:.2} GB/s",
+            world.size,
+            d.intra_node_latency * 1e6,
+            d.intra_node_bandwidth / 1e9
+        ));
+    }
+    Ok(Some(s))
+}
+
+/// What the profile records of its measurements, for the reader.
+fn measured_json(m: &Measurements, world: &World, args: &Args, secs: f64) -> serde_json::Value {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_string())
+        .unwrap_or_default();
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|t| {
+            t.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split(':').nth(1))
+                .map(|s| s.trim().to_string())
+        })
+        .unwrap_or_default();
+    serde_json::json!({
+        "by": format!("braid calibrate {}", env!("CARGO_PKG_VERSION")),
+        "host": host,
+        "cpu": cpu,
+        "ranks": world.size,
+        "threads_per_rank": args.threads.max(1),
+        "min_seconds": args.min_seconds,
+        "seconds": secs,
+        "tiny_model_layers": calibrate::LAYERS,
+        "tiny_model_widths": calibrate::HIDDENS,
+        "timings": m,
+    })
+}
