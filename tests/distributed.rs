@@ -1285,3 +1285,36 @@ fn an_unpinned_migration_is_rechosen_from_the_lengths_observed() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `braid launch … calibrate` on 2 ranks measures the all-reduce over Gloo and writes one
+/// profile (rank 0's) with the measured collective constants in place of the datasheet's.
+#[test]
+fn calibrate_on_two_ranks_measures_the_all_reduce() {
+    let dir = tmp("calibrate");
+    let path = dir.join("cpu2.json");
+    let mut job = Job::start(&[
+        "launch",
+        "--nproc-per-node",
+        "2",
+        "--grace",
+        "30",
+        "calibrate",
+        "--min-seconds",
+        "0.01",
+        "-o",
+        path.to_str().unwrap(),
+    ]);
+    let status = job.wait(Duration::from_secs(300));
+    assert!(status.success(), "{}", job.stderr());
+    let out = job.stdout();
+    assert!(out.contains("all-reduce over 2 ranks"), "{out}");
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let d = &v["device"];
+    assert_eq!(d["network_efficiency"], 1.0);
+    assert!(d["intra_node_latency"].as_f64().unwrap() > 0.0);
+    assert!(d["intra_node_bandwidth"].as_f64().unwrap() > 0.0);
+    assert_eq!(v["measured"]["ranks"], 2, "{}", v["measured"]);
+    let points = v["measured"]["timings"]["allreduce"].as_array().unwrap();
+    assert!(points.len() >= 2, "{points:?}");
+}
