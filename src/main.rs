@@ -21,6 +21,7 @@ mod report;
 #[cfg(feature = "runtime")]
 mod run;
 mod sim;
+mod study;
 
 #[derive(Parser)]
 #[command(

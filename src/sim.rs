@@ -1,9 +1,9 @@
 //! `braid sim`: simulation and scheduling studies on the planner's models, without GPUs.
 //!
 //! `braid sim FILE.rlhf --cluster SPEC` plans the program's run (as `braid plan` does) and
-//! simulates N iterations of it next to the baselines — every stage in sequence on all devices
-//! with one layout per model (DeepSpeed-Chat style), the ReaL-style heuristic (a layout per
-//! call), Braid's plan without fusion and with it — printing iteration, generation plus
+//! simulates N iterations of it next to the baselines — DeepSpeed-Chat, OpenRLHF and ReaL's
+//! heuristic as `braid_passes::baselines` models them, Braid's plan without fusion and with
+//! it — printing iteration, generation plus
 //! inference and training times, utilisation, bubbles, the fusion gains and each pass's gain,
 //! and writing Braid's timeline as Chrome-trace JSON or SVG.
 //!
@@ -48,6 +48,9 @@ enum SimCommand {
     /// Schedule two or more trained models' pipelines fused on shared devices (RLHFuse
     /// intra-stage fusion) and print latency, lower bound, peak memory and the schedule.
     Pipeline(PipelineArgs),
+    /// Simulate the settings of a published throughput study (a manifest such as
+    /// tests/fixtures/real/study.json) and print simulated against measured speed-ups.
+    Study(crate::study::StudyArgs),
 }
 
 #[derive(clap::Args)]
@@ -63,6 +66,7 @@ struct PipelineArgs {
 pub fn run(args: Args) -> ExitCode {
     match (&args.command, &args.file) {
         (Some(SimCommand::Pipeline(a)), _) => run_pipeline(a),
+        (Some(SimCommand::Study(a)), _) => crate::study::run(a),
         (None, Some(file)) => run_program(file, &args),
         (None, None) => {
             eprintln!(
@@ -136,13 +140,13 @@ fn comparison_text(
     );
     let _ = writeln!(
         o,
-        "\n{:<52} {:>12} {:>14} {:>12} {:>8} {:>8}",
+        "\n{:<66} {:>12} {:>14} {:>12} {:>8} {:>8}",
         "system", "iteration", "gen+inference", "training", "util", "bubble"
     );
     for s in &cmp.systems {
         let _ = writeln!(
             o,
-            "{:<52} {:>12} {:>14} {:>12} {:>7.1}% {:>7.1}%",
+            "{:<66} {:>12} {:>14} {:>12} {:>7.1}% {:>7.1}%",
             s.system,
             secs(s.mean_iteration_seconds),
             secs(s.generation_inference_seconds),
@@ -153,7 +157,7 @@ fn comparison_text(
     }
     let _ = writeln!(
         o,
-        "\n{:<52} {:>11} {:>9} {:>11} {:>11} {:>11} {:>8}",
+        "\n{:<66} {:>11} {:>9} {:>11} {:>11} {:>11} {:>8}",
         "generation + inference breakdown (mean)",
         "generation",
         "tail",
@@ -166,7 +170,7 @@ fn comparison_text(
         let b = &s.breakdown;
         let _ = writeln!(
             o,
-            "{:<52} {:>11} {:>9} {:>11} {:>11} {:>11} {:>7.1}%",
+            "{:<66} {:>11} {:>9} {:>11} {:>11} {:>11} {:>7.1}%",
             s.system,
             secs(b.generation),
             secs(b.tail),
@@ -175,6 +179,9 @@ fn comparison_text(
             secs(b.transfers_in_window),
             100.0 * b.idle_fraction
         );
+    }
+    for n in &cmp.notes {
+        let _ = writeln!(o, "note: {n}");
     }
     let g = &cmp.fusion_gain;
     let _ = writeln!(

@@ -353,3 +353,43 @@ fn plan_files_show_as_planned_and_bad_ones_are_refused() {
     assert!(err.contains("not JSON"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `braid sim study`: the ReaL figure's fixtures simulate; the measured speed-ups come from the
+/// manifest (ReaL 0.917 PFLOP/s over the heuristic's 0.684: 1.34×), the summary lines are
+/// printed, JSON carries the per-system results; a bad manifest names its file.
+#[test]
+fn sim_study_sets_simulated_beside_measured_speed_ups() {
+    let manifest = "tests/fixtures/real/study.json";
+    let only = "scale-actor 7B gen 128";
+    let text = ok(&["sim", "study", manifest, "--only", only]);
+    assert!(text.contains("scale-actor 7B gen 128 on 8"), "{text}");
+    assert!(text.contains("1.34x"), "{text}");
+    for line in [
+        "over ReaL's heuristic: within a quarter of the measured in",
+        "over DeepSpeed-Chat: within a quarter of the measured in",
+        "never slower than the heuristic (1 settings)",
+    ] {
+        assert!(text.contains(line), "no {line:?}\n{text}");
+    }
+    let json = ok(&["sim", "study", manifest, "--only", only, "--json"]);
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    let row = &v["rows"][0];
+    assert_eq!(row["systems"].as_array().map(Vec::len), Some(5));
+    let measured = row["over_heuristic"][1].as_f64().unwrap();
+    assert!((measured - 0.917 / 0.684).abs() < 1e-9);
+    // The implied measured iteration is the counted FLOPs over the measured throughput.
+    let flops = row["flops"].as_f64().unwrap();
+    let real_s = row["measured_seconds"]["real"].as_f64().unwrap();
+    assert!((real_s - flops / 0.917e15).abs() < 1e-6 * real_s);
+    let dir = std::env::temp_dir().join(format!("braid-study-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let bad = dir.join("bad.json");
+    std::fs::write(&bad, "{\"title\": 1}").unwrap();
+    let (code, _, err) = braid(&["sim", "study", bad.to_str().unwrap()]);
+    assert_eq!(code, 2);
+    assert!(
+        err.contains("bad.json") && err.contains("not a study manifest"),
+        "{err}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

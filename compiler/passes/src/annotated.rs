@@ -127,6 +127,10 @@ pub struct Annotated {
     /// price what a later one does only when that one runs.
     pub enabled: Vec<String>,
     pub decisions: PlanDecisions,
+    /// Running samples one generation instance holds at most: Braid's engine's
+    /// [`crate::sim::ENGINE_MAX_BATCH`] by default; `None` for an engine that decodes the
+    /// whole batch at once, memory permitting (ReaL's, which the validation study models).
+    pub engine_max_batch: Option<u64>,
 }
 
 impl Annotated {
@@ -152,6 +156,7 @@ impl Annotated {
                 .map(|s| s.to_string())
                 .collect(),
             decisions: PlanDecisions::default(),
+            engine_max_batch: Some(crate::sim::ENGINE_MAX_BATCH),
         }
     }
 
@@ -188,6 +193,7 @@ impl Annotated {
             seed: e.seed,
             enabled: e.decisions.passes_run.clone(),
             decisions: e.decisions.clone(),
+            engine_max_batch: Some(crate::sim::ENGINE_MAX_BATCH),
         }
     }
 

@@ -15,7 +15,6 @@ use crate::annotated::{Annotated, Placement};
 use crate::cost::{CostModel, Layout, MemoryNeeds, MemoryUse, ModelShape};
 use crate::fused_pipeline::{PipelineModel, PipelineProblem, SearchOptions, lower_bound};
 use crate::prng::Rng;
-use crate::sim::ENGINE_MAX_BATCH;
 
 /// How much work one model call does.
 #[derive(Clone, Debug, PartialEq)]
@@ -105,20 +104,22 @@ pub fn sample_lengths(a: &Annotated, gen_id: NodeId, samples: u64, max_new: u64)
 }
 
 /// Decode time of one engine instance holding `lengths` (in the order they are admitted),
-/// as Braid's engine runs them: at most [`ENGINE_MAX_BATCH`] running, the rest prefilled and
-/// admitted as rows free (continuous batching); once none wait, lock-step (the live batch
-/// shrinks as samples finish).
+/// as Braid's engine runs them: at most `max_batch` running ([`crate::sim::ENGINE_MAX_BATCH`]
+/// for Braid's engine, `None` for no limit), the rest prefilled and admitted as rows free (continuous
+/// batching); once none wait, lock-step (the live batch shrinks as samples finish). An
+/// instance with pipeline stages decodes as [`CostModel::pipelined_decode_step_time`] says.
 pub fn instance_generate_time(
     cost: &CostModel,
     shape: &ModelShape,
     layout: Layout,
     lengths: &[u64],
     prompt_len: u64,
+    max_batch: Option<u64>,
 ) -> f64 {
     if lengths.is_empty() {
         return 0.0;
     }
-    let cap = ENGINE_MAX_BATCH as usize;
+    let cap = max_batch.map_or(usize::MAX, |m| m.max(1) as usize);
     let mut waiting: std::collections::VecDeque<u64> = lengths.iter().copied().collect();
     // Running samples as (tokens left, context).
     let mut running: Vec<(u64, u64)> = Vec::new();
@@ -133,7 +134,7 @@ pub fn instance_generate_time(
     while !waiting.is_empty() {
         let live = running.len() as u64;
         let ctx = running.iter().map(|r| r.1).sum::<u64>() / live.max(1);
-        t += cost.decode_step_time(shape, layout, live, ctx + 1);
+        t += cost.pipelined_decode_step_time(shape, layout, live, ctx + 1);
         for r in &mut running {
             r.0 -= 1;
             r.1 += 1;
@@ -153,7 +154,7 @@ pub fn instance_generate_time(
         if left > prev {
             let live = b - k as u64;
             let mid = ctx0 + (prev + left) / 2;
-            t += (left - prev) as f64 * cost.decode_step_time(shape, layout, live, mid);
+            t += (left - prev) as f64 * cost.pipelined_decode_step_time(shape, layout, live, mid);
             prev = left;
         }
     }
@@ -162,7 +163,13 @@ pub fn instance_generate_time(
 
 /// Generation time on a placement: samples dealt round-robin over `dp` instances, each
 /// tensor- (and pipeline-) parallel inside; the slowest instance decides.
-pub fn generate_time(cost: &CostModel, shape: &ModelShape, p: &Placement, size: &CallSize) -> f64 {
+pub fn generate_time(
+    cost: &CostModel,
+    shape: &ModelShape,
+    p: &Placement,
+    size: &CallSize,
+    max_batch: Option<u64>,
+) -> f64 {
     let inst = Layout {
         dp: 1,
         tp: p.tp,
@@ -178,6 +185,7 @@ pub fn generate_time(cost: &CostModel, shape: &ModelShape, p: &Placement, size: 
             inst,
             &mine,
             size.prompt_len,
+            max_batch,
         ));
     }
     worst
@@ -199,7 +207,7 @@ pub fn call_time(a: &Annotated, id: NodeId, p: &Placement) -> f64 {
     };
     let cost = a.cost_of(slot);
     match node.op {
-        Op::Generate { .. } => generate_time(&cost, shape, p, &size),
+        Op::Generate { .. } => generate_time(&cost, shape, p, &size, a.engine_max_batch),
         Op::Train { .. } => {
             let (epochs, mbs) = size.train.unwrap_or((1, 1));
             let global = size.samples.div_ceil(mbs).max(1);

@@ -8,6 +8,7 @@
 //! choice comes from an explicit seed, so the same input gives byte-identical output.
 
 pub mod annotated;
+pub mod baselines;
 pub mod estimate;
 pub mod passes;
 pub mod render;

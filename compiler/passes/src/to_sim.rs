@@ -1,7 +1,6 @@
 //! From a placed plan to the simulator's DAG, and the comparison `braid sim` prints: the plan
-//! against the baselines (every stage on all devices with one layout per model, DeepSpeed-Chat
-//! style; the ReaL-style heuristic with a layout per call; Braid's plan without and with
-//! fusion).
+//! against the baselines of [`crate::baselines`] (DeepSpeed-Chat, OpenRLHF, ReaL's heuristic)
+//! and Braid's plan without and with fusion.
 //!
 //! One simulator task per model call and per inserted transfer node; compute nodes (`fn`
 //! kernels, arithmetic, losses) are cheap next to model calls and are left out, their
@@ -13,12 +12,13 @@ use braid_ir::graph::{NodeId, Op};
 use serde::Serialize;
 
 use crate::annotated::{Annotated, Cut, Placement};
+use crate::baselines;
 use crate::cost::Layout;
 use crate::estimate::{self, call_size};
 use crate::passes::{PassError, PassManager};
 use crate::sim::{
-    Dag, DagBuilder, ENGINE_MAX_BATCH, GenerateSpec, LengthDist, Migration, SimOptions, SimReport,
-    TaskId, Work, simulate,
+    Dag, DagBuilder, GenerateSpec, LengthDist, Migration, SimOptions, SimReport, TaskId, Work,
+    simulate,
 };
 
 /// The length distribution with every length capped at `max`.
@@ -56,10 +56,33 @@ fn stage_of(op: &Op) -> &'static str {
     }
 }
 
+/// Work a baseline system does around a model call that Braid's plan does not: a ZeRO-3
+/// parameter gather, a weight broadcast to generation engines ([`crate::baselines`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Extra {
+    pub call: NodeId,
+    /// After the call (else before it, after what the call waits for).
+    pub after: bool,
+    pub label: String,
+    pub stage: &'static str,
+    /// The devices it holds; `None`: the call's.
+    pub devices: Option<Vec<usize>>,
+    pub seconds: f64,
+}
+
 /// The simulator DAG of a plan. With `fusion`, consumers that `sample-split` cut per sample
 /// stream from their generation (on the devices it assigned them), generations migrate their
 /// long tail, and interleaved trainings run as one fused task.
 pub fn to_dag(a: &Annotated, fusion: bool) -> Result<(Dag, BTreeMap<NodeId, TaskId>), String> {
+    to_dag_with(a, fusion, &[])
+}
+
+/// [`to_dag`] with a baseline's `extras` around its calls.
+pub fn to_dag_with(
+    a: &Annotated,
+    fusion: bool,
+    extras: &[Extra],
+) -> Result<(Dag, BTreeMap<NodeId, TaskId>), String> {
     let g = &a.plan.graph;
     let placements = estimate::placements(a);
     let deps = estimate::call_deps(a);
@@ -214,7 +237,8 @@ pub fn to_dag(a: &Annotated, fusion: bool) -> Result<(Dag, BTreeMap<NodeId, Task
                             to_instances: m.to_instances.min(p.dp.max(1)),
                         }
                     }),
-                    max_batch: Some(ENGINE_MAX_BATCH),
+                    max_batch: a.engine_max_batch,
+                    stages: p.pp.max(1),
                 })),
                 Op::Train { .. } => {
                     let secs = match fused.get(&id) {
@@ -258,7 +282,33 @@ pub fn to_dag(a: &Annotated, fusion: bool) -> Result<(Dag, BTreeMap<NodeId, Task
         } else {
             name
         };
-        let task = b.task(&format!("{id} {label}"), stage_of(&node.op), devs, work);
+        let mut pre = Vec::new();
+        for x in extras.iter().filter(|x| x.call == id && !x.after) {
+            let t = b.task(
+                &format!("{id} {}", x.label),
+                x.stage,
+                x.devices.clone().unwrap_or_else(|| devs.clone()),
+                Work::Fixed { seconds: x.seconds },
+            );
+            for d in &my_deps {
+                if let Some(dt) = task_of.get(d) {
+                    b.after(t, *dt);
+                }
+            }
+            for &bt in &before_me {
+                b.after(t, bt);
+            }
+            pre.push(t);
+        }
+        let task = b.task(
+            &format!("{id} {label}"),
+            stage_of(&node.op),
+            devs.clone(),
+            work,
+        );
+        for t in pre {
+            b.after(task, t);
+        }
         for d in my_deps {
             if Some(d) == stream_from {
                 continue;
@@ -276,6 +326,15 @@ pub fn to_dag(a: &Annotated, fusion: bool) -> Result<(Dag, BTreeMap<NodeId, Task
             b.stream(task, *t);
         }
         task_of.insert(id, task);
+        for x in extras.iter().filter(|x| x.call == id && x.after) {
+            let t = b.task(
+                &format!("{id} {}", x.label),
+                x.stage,
+                x.devices.clone().unwrap_or_else(|| devs.clone()),
+                Work::Fixed { seconds: x.seconds },
+            );
+            b.after(t, task);
+        }
         // Offloads right after this call.
         for &t in &transfers {
             if let Some(Op::Offload { after, .. }) = g.node(t).map(|n| &n.op)
@@ -437,6 +496,9 @@ pub struct Comparison {
     /// Iteration time with each pass disabled over the full plan's.
     pub pass_gains: Vec<(String, f64)>,
     pub searched_vs_heuristic: Option<(f64, f64)>,
+    /// Baselines that cannot run the program on the cluster, or run it other than as
+    /// modelled, and why (one line each, naming the system).
+    pub notes: Vec<String>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -450,11 +512,136 @@ fn ratio(a: f64, b: f64) -> f64 {
     if b > 0.0 { a / b } else { 1.0 }
 }
 
-/// Plans `base` four ways and simulates each: DeepSpeed-Chat style (one layout per model on
-/// all devices, stages in sequence), the ReaL-style heuristic (a layout per call on all
-/// devices, reshards between), Braid without fusion (`sample-split` and
-/// `microbatch-interleave` disabled) and Braid. Returns the comparison and Braid's plan and
-/// report (for traces).
+/// The systems of a comparison, simulated: results in order (DeepSpeed-Chat, OpenRLHF, ReaL's
+/// heuristic, Braid without fusion, Braid; a baseline that cannot run is left out with a
+/// note), the notes, and Braid's plan and report.
+pub struct Systems {
+    pub results: Vec<SystemResult>,
+    pub notes: Vec<String>,
+    pub full: Annotated,
+    pub full_report: SimReport,
+    /// Braid with `sample-split` and `microbatch-interleave` off.
+    pub nofuse: SystemResult,
+}
+
+/// Plans `base` five ways and simulates each: DeepSpeed-Chat, OpenRLHF and ReaL's heuristic
+/// as [`crate::baselines`] models them, Braid without fusion (`sample-split` and
+/// `microbatch-interleave` disabled) and Braid.
+pub fn systems(
+    base: &Annotated,
+    disabled: &[String],
+    opts: &SimOptions,
+) -> Result<Systems, PassError> {
+    let sim_err = |e: String| PassError(format!("simulation: {e}"));
+    let plan_with = |extra: &[&str]| -> Result<Annotated, PassError> {
+        let mut names: Vec<String> = disabled.to_vec();
+        names.extend(extra.iter().map(|s| s.to_string()));
+        names.sort();
+        names.dedup();
+        let mut a = base.clone();
+        PassManager::new().disable(&names)?.run(&mut a, |_, _| {})?;
+        Ok(a)
+    };
+    let mut systems = Vec::new();
+    let mut notes = Vec::new();
+    let baseline = |placements: BTreeMap<NodeId, Placement>,
+                    max_batch: Option<u64>,
+                    off: &[&str]|
+     -> Result<Annotated, PassError> {
+        let mut x = base.clone();
+        x.decisions.placements = placements;
+        x.engine_max_batch = max_batch;
+        let names: Vec<String> = off.iter().map(|s| s.to_string()).collect();
+        PassManager::new().disable(&names)?.run(&mut x, |_, _| {})?;
+        Ok(x)
+    };
+    // DeepSpeed-Chat and OpenRLHF move weights their own way (the extras), not by reshards.
+    let own_transfers = [
+        "place",
+        "sample-split",
+        "microbatch-interleave",
+        "reshard-insert",
+        "speculate",
+    ];
+    match baselines::deepspeed_chat(base) {
+        Ok((placements, extras, rows)) => {
+            let ds = baseline(placements, Some(rows), &own_transfers)?;
+            let (dag, _) = to_dag_with(&ds, false, &extras).map_err(sim_err)?;
+            let r = simulate(&dag, opts).map_err(|e| sim_err(e.0))?;
+            systems.push(summarise(
+                "deepspeed-chat (hybrid engine, zero-3 on all devices)",
+                &r,
+            ));
+        }
+        Err(e) => notes.push(format!("deepspeed-chat not simulated: {e}")),
+    }
+    match baselines::openrlhf(base) {
+        Ok((placements, extras, rows)) => {
+            let o = baseline(placements, Some(rows), &own_transfers)?;
+            let (dag, _) = to_dag_with(&o, false, &extras).map_err(sim_err)?;
+            let r = simulate(&dag, opts).map_err(|e| sim_err(e.0))?;
+            systems.push(summarise(
+                "openrlhf (vllm engines, actor and critic groups, weight broadcast)",
+                &r,
+            ));
+        }
+        Err(e) => notes.push(format!("openrlhf not simulated: {e}")),
+    }
+    // ReaL's heuristic where its rule applies (PPO on nodes of 8 GPUs), else a layout per call
+    // on all devices; parameters reallocated between calls by reshards.
+    let (real, real_name) = match baselines::real_heuristic_placements(base) {
+        Ok(p) => (
+            baseline(
+                p,
+                base.engine_max_batch,
+                &[
+                    "place",
+                    "sample-split",
+                    "microbatch-interleave",
+                    "speculate",
+                ],
+            )?,
+            "real-heuristic (ReaL's allocation for PPO)".to_string(),
+        ),
+        Err(e) => {
+            notes.push(format!(
+                "real-heuristic: {e}; every call on all devices with its fastest layout instead"
+            ));
+            (
+                plan_with(&[
+                    "place",
+                    "sample-split",
+                    "microbatch-interleave",
+                    "speculate",
+                ])?,
+                "real-heuristic (layout per call on all devices)".to_string(),
+            )
+        }
+    };
+    let real_report = simulate_plan(&real, false, opts).map_err(sim_err)?;
+    systems.push(summarise(&real_name, &real_report));
+    // Without fusion: the same system — the same passes, `place` searching for a plan that
+    // does not fuse — with `sample-split` and `microbatch-interleave` off (RLHFuse's
+    // RLHFuse-Base), so the gain is the fusion's alone.
+    let nofuse = plan_with(&["sample-split", "microbatch-interleave"])?;
+    let nofuse_report = simulate_plan(&nofuse, false, opts).map_err(sim_err)?;
+    let nofuse_sum = summarise("braid without fusion (same passes)", &nofuse_report);
+    let full = plan_with(&[])?;
+    systems.push(nofuse_sum.clone());
+    let full_report = simulate_plan(&full, true, opts).map_err(sim_err)?;
+    let full_sum = summarise("braid", &full_report);
+    systems.push(full_sum);
+    Ok(Systems {
+        results: systems,
+        notes,
+        full,
+        full_report,
+        nofuse: nofuse_sum,
+    })
+}
+
+/// [`systems`], with the fusion gains and each pass's gain. Returns the comparison and
+/// Braid's plan and report (for traces).
 pub fn compare(
     base: &Annotated,
     disabled: &[String],
@@ -470,47 +657,17 @@ pub fn compare(
         PassManager::new().disable(&names)?.run(&mut a, |_, _| {})?;
         Ok(a)
     };
-    let mut systems = Vec::new();
-    // DeepSpeed-Chat style: one layout per model; frozen models that crowd another call's
-    // memory are offloaded and reloaded, as in every other system.
-    let mut ds = base.clone();
-    ds.decisions.placements = estimate::per_model_placements(&ds);
-    PassManager::new()
-        .disable(&[
-            "place".to_string(),
-            "sample-split".to_string(),
-            "microbatch-interleave".to_string(),
-            "speculate".to_string(),
-        ])?
-        .run(&mut ds, |_, _| {})?;
-    let ds_report = simulate_plan(&ds, false, opts).map_err(sim_err)?;
-    systems.push(summarise(
-        "deepspeed-chat (sequential, one layout per model)",
-        &ds_report,
-    ));
-    // ReaL heuristic: per-call layouts on all devices, reshards inserted.
-    let real = plan_with(&[
-        "place",
-        "sample-split",
-        "microbatch-interleave",
-        "speculate",
-    ])?;
-    let real_report = simulate_plan(&real, false, opts).map_err(sim_err)?;
-    systems.push(summarise(
-        "real-heuristic (layout per call, sequential)",
-        &real_report,
-    ));
-    // Without fusion: the same system — the same passes, `place` searching for a plan that
-    // does not fuse — with `sample-split` and `microbatch-interleave` off (RLHFuse's
-    // RLHFuse-Base), so the gain is the fusion's alone.
-    let nofuse = plan_with(&["sample-split", "microbatch-interleave"])?;
-    let nofuse_report = simulate_plan(&nofuse, false, opts).map_err(sim_err)?;
-    let nofuse_sum = summarise("braid without fusion (same passes)", &nofuse_report);
-    let full = plan_with(&[])?;
-    systems.push(nofuse_sum.clone());
-    let full_report = simulate_plan(&full, true, opts).map_err(sim_err)?;
-    let full_sum = summarise("braid", &full_report);
-    systems.push(full_sum.clone());
+    let Systems {
+        results: systems,
+        notes,
+        full,
+        full_report,
+        nofuse: nofuse_sum,
+    } = self::systems(base, disabled, opts)?;
+    let full_sum = systems
+        .last()
+        .cloned()
+        .ok_or_else(|| PassError("no systems".into()))?;
     let gains = |without: &SystemResult, with: &SystemResult| Gains {
         generation_inference: ratio(
             without.generation_inference_seconds,
@@ -550,6 +707,7 @@ pub fn compare(
             fusion_gain_same_placement,
             pass_gains,
             searched_vs_heuristic,
+            notes,
         },
         full,
         full_report,

@@ -408,3 +408,143 @@ fn migration_is_rechosen_from_observed_lengths() {
         braid_passes::passes::sample_split::retune_migration(&a, g, &[], planned_kept).is_err()
     );
 }
+
+/// The calls of a plan by name, with the placements a baseline gave them.
+fn by_name(
+    a: &Annotated,
+    placements: &std::collections::BTreeMap<
+        braid_ir::graph::NodeId,
+        braid_passes::annotated::Placement,
+    >,
+) -> std::collections::BTreeMap<String, braid_passes::annotated::Placement> {
+    placements
+        .iter()
+        .map(|(id, p)| (a.call_name(*id), *p))
+        .collect()
+}
+
+#[test]
+fn reals_heuristic_follows_its_published_allocation() {
+    // Four nodes of 8: generation pipelined over max(2, 4) stages on all 32 devices; equal
+    // models split the trainings 2 + 2 nodes (`min(⌈4 · ½⌉, 3)`), `dp 2, tp 4`, a stage per
+    // node; the reference on all devices; the reward model on the first half, the critic's
+    // inference on the second.
+    let a = annotate(ppo_7b(), "4x8xH100", Pins::default());
+    let p = braid_passes::baselines::real_heuristic_placements(&a).unwrap();
+    let p = by_name(&a, &p);
+    let shape = |n: &str| {
+        let x = p[n];
+        (x.first, x.count, x.dp, x.tp, x.pp)
+    };
+    assert_eq!(shape("generate(actor)"), (0, 32, 8, 1, 4));
+    assert_eq!(shape("train(actor)"), (0, 16, 2, 4, 2));
+    assert_eq!(shape("train(critic)"), (16, 16, 2, 4, 2));
+    assert_eq!(shape("logprobs(ref)"), (0, 32, 2, 4, 4));
+    assert_eq!(shape("score(rm)"), (0, 16, 2, 4, 2));
+    assert_eq!(shape("values(critic)"), (16, 16, 2, 4, 2));
+    // One node: halves, `tp 2` for 7B models.
+    let a = annotate(ppo_7b(), "1x8xH100", Pins::default());
+    let p = by_name(
+        &a,
+        &braid_passes::baselines::real_heuristic_placements(&a).unwrap(),
+    );
+    assert_eq!((p["generate(actor)"].dp, p["generate(actor)"].pp), (4, 2));
+    assert_eq!(
+        (
+            p["train(critic)"].first,
+            p["train(critic)"].tp,
+            p["train(critic)"].dp
+        ),
+        (4, 2, 2)
+    );
+    // Written for nodes of 8 GPUs.
+    let a = annotate(ppo_7b(), "2x4xH100", Pins::default());
+    let e = braid_passes::baselines::real_heuristic_placements(&a).unwrap_err();
+    assert!(e.contains("nodes of 8"), "{e}");
+}
+
+#[test]
+fn deepspeed_chat_gathers_for_every_call_and_limits_its_generation_batch() {
+    let a = annotate(ppo_7b(), "1x8xH100", Pins::default());
+    let (p, extras, rows) = braid_passes::baselines::deepspeed_chat(&a).unwrap();
+    let p = by_name(&a, &p);
+    // ZeRO-3 data parallel for everything but the hybrid engine's generation.
+    assert_eq!((p["train(actor)"].dp, p["train(actor)"].tp), (8, 1));
+    assert_eq!(p["generate(actor)"].count, 8);
+    assert!(rows >= 1);
+    // One gather before generation, one per call after it; all positive.
+    let named: Vec<String> = extras.iter().map(|x| a.call_name(x.call)).collect();
+    for call in [
+        "generate(actor)",
+        "train(actor)",
+        "train(critic)",
+        "logprobs(ref)",
+    ] {
+        assert!(named.iter().any(|n| n == call), "{call}: {named:?}");
+    }
+    assert!(extras.iter().all(|x| x.seconds > 0.0 && !x.after));
+    // A 65B actor gathered on one 80 GB device cannot generate: the baseline says so.
+    let big = PPO_7B.replace("llama-7b", "llama-65b");
+    let a = annotate(lower("big.rlhf", &big), "1x1xH100", Pins::default());
+    let e = braid_passes::baselines::deepspeed_chat(&a).unwrap_err();
+    assert!(e.contains("hybrid engine"), "{e}");
+}
+
+#[test]
+fn openrlhf_places_engines_and_groups_apart_and_broadcasts_weights() {
+    let a = annotate(ppo_7b(), "2x8xH100", Pins::default());
+    let (p, extras, rows) = braid_passes::baselines::openrlhf(&a).unwrap();
+    let p = by_name(&a, &p);
+    let g = p["generate(actor)"];
+    assert_eq!((g.first, g.count), (0, 8));
+    assert!(rows <= braid_passes::baselines::VLLM_MAX_NUM_SEQS);
+    assert_eq!((p["train(actor)"].first, p["train(actor)"].count), (8, 4));
+    assert_eq!((p["logprobs(ref)"].first, p["logprobs(ref)"].count), (8, 4));
+    assert_eq!(
+        (p["train(critic)"].first, p["train(critic)"].count),
+        (12, 4)
+    );
+    assert_eq!((p["score(rm)"].first, p["score(rm)"].count), (12, 4));
+    let broadcast: Vec<_> = extras.iter().filter(|x| x.after).collect();
+    assert_eq!(broadcast.len(), 1);
+    assert_eq!(a.call_name(broadcast[0].call), "train(actor)");
+    let devs = broadcast[0].devices.clone().unwrap();
+    assert!(devs.contains(&0) && devs.contains(&8) && !devs.contains(&12));
+    let a = annotate(ppo_7b(), "1x2xH100", Pins::default());
+    assert!(braid_passes::baselines::openrlhf(&a).is_err());
+}
+
+#[test]
+fn the_comparison_names_every_baseline_or_says_why_not() {
+    let a = annotate(ppo_7b(), "2x8xH100", Pins::default());
+    let opts = braid_passes::sim::SimOptions {
+        iterations: 1,
+        seed: 1,
+    };
+    let s = braid_passes::to_sim::systems(&a, &[], &opts).unwrap();
+    let names: Vec<&str> = s.results.iter().map(|r| r.system.as_str()).collect();
+    for prefix in [
+        "deepspeed-chat",
+        "openrlhf",
+        "real-heuristic (ReaL's",
+        "braid",
+    ] {
+        assert!(names.iter().any(|n| n.starts_with(prefix)), "{names:?}");
+    }
+    assert!(s.notes.is_empty(), "{:?}", s.notes);
+    // On one device neither OpenRLHF nor ReaL's rule applies; the notes say so.
+    let a = annotate(ppo_7b(), "1x1xH100", Pins::default());
+    let s = braid_passes::to_sim::systems(&a, &[], &opts).unwrap();
+    assert!(
+        s.notes
+            .iter()
+            .any(|n| n.starts_with("openrlhf not simulated")),
+        "{:?}",
+        s.notes
+    );
+    assert!(
+        s.notes.iter().any(|n| n.starts_with("real-heuristic:")),
+        "{:?}",
+        s.notes
+    );
+}

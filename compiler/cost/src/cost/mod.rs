@@ -254,6 +254,30 @@ impl CostModel {
             )
     }
 
+    /// One decode step of `batch` live sequences on a pipelined instance (`layout.pp` stages),
+    /// as ReaL's pipelined generation runs it: the batch splits into `m = min(pp, batch)`
+    /// micro-batches that cycle through the stages, so a step — every sequence one token
+    /// further — takes `max(m, pp)` stage times of one micro-batch. Decode is memory-bound, so
+    /// each stage still reads its weights once per micro-batch: pipelining decode on `pp`
+    /// devices costs about what one device holding the whole model would, where tensor
+    /// parallelism over them divides the weight reads. With one stage this is
+    /// [`CostModel::decode_step_time`].
+    pub fn pipelined_decode_step_time(
+        &self,
+        model: &ModelShape,
+        layout: Layout,
+        batch: u64,
+        context: u64,
+    ) -> f64 {
+        let pp = layout.pp.max(1);
+        if pp == 1 || batch == 0 {
+            return self.decode_step_time(model, layout, batch, context);
+        }
+        let m = pp.min(batch);
+        let stage = self.decode_step_time(model, layout, batch.div_ceil(m), context) / pp as f64;
+        m.max(pp) as f64 * stage
+    }
+
     /// Forward (inference, e.g. log-probs or values) of `seqs` sequences of `seq_len` tokens on
     /// one data-parallel replica: stage passes one after the other for a single micro-batch.
     pub fn forward_time(&self, model: &ModelShape, layout: Layout, seqs: u64, seq_len: u64) -> f64 {
@@ -500,6 +524,40 @@ mod tests {
 
     fn llama7b() -> ModelShape {
         ModelShape::preset("llama-7b").expect("preset")
+    }
+
+    #[test]
+    fn pipelined_decode_reads_each_stage_once_per_micro_batch() {
+        let c = h100_node();
+        let m = llama7b();
+        let pp4 = Layout {
+            dp: 1,
+            tp: 1,
+            pp: 4,
+        };
+        // One stage: the plain decode step.
+        assert_eq!(
+            c.pipelined_decode_step_time(&m, Layout::SINGLE, 32, 256),
+            c.decode_step_time(&m, Layout::SINGLE, 32, 256)
+        );
+        // Four stages, 32 sequences: four micro-batches of 8 cycle through, each stage reading
+        // its quarter of the weights four times — about one device's whole-model step, far
+        // slower than four-way tensor parallelism over the same devices (which divides the reads).
+        let piped = c.pipelined_decode_step_time(&m, pp4, 32, 256);
+        let stage = c.decode_step_time(&m, pp4, 8, 256) / 4.0;
+        assert!((piped - 4.0 * stage).abs() < 1e-12);
+        let whole = c.decode_step_time(&m, Layout::SINGLE, 8, 256);
+        assert!((piped / whole - 1.0).abs() < 0.1, "{piped} vs {whole}");
+        let tp4 = Layout {
+            dp: 1,
+            tp: 4,
+            pp: 1,
+        };
+        let split = c.decode_step_time(&m, tp4, 32, 256);
+        assert!(piped > split, "{piped} vs {split}");
+        // Fewer sequences than stages: one micro-batch each, still `pp` stage times a step.
+        let two = c.pipelined_decode_step_time(&m, pp4, 2, 256);
+        assert!((two - 4.0 * c.decode_step_time(&m, pp4, 1, 256) / 4.0).abs() < 1e-12);
     }
 
     #[test]

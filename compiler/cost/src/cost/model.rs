@@ -98,14 +98,20 @@ impl ModelShape {
     }
 
     /// Named presets for simulator studies: LLaMA-7B/13B/33B/65B (Touvron et al. 2023, Table 2;
-    /// 33B is the paper's "33B", released as "30B").
+    /// 33B is the paper's "33B", released as "30B"), and the models of ReaL's evaluation —
+    /// LLaMA-2 7B/13B/70B and CodeLlama-34B (their Hugging Face `config.json`; 34B and 70B use
+    /// grouped-query attention with 8 key-value heads).
     pub fn preset(name: &str) -> Option<ModelShape> {
-        let (canon, layers, hidden, heads, intermediate, params) =
+        let (canon, layers, hidden, heads, kv_heads, intermediate, params) =
             match name.to_ascii_lowercase().as_str() {
-                "llama-7b" => ("llama-7b", 32, 4096, 32, 11008, 6_738_415_616),
-                "llama-13b" => ("llama-13b", 40, 5120, 40, 13824, 13_015_864_320),
-                "llama-33b" | "llama-30b" => ("llama-33b", 60, 6656, 52, 17920, 32_528_943_616),
-                "llama-65b" => ("llama-65b", 80, 8192, 64, 22016, 65_285_660_672),
+                "llama-7b" => ("llama-7b", 32, 4096, 32, 32, 11008, 6_738_415_616),
+                "llama-13b" => ("llama-13b", 40, 5120, 40, 40, 13824, 13_015_864_320),
+                "llama-33b" | "llama-30b" => ("llama-33b", 60, 6656, 52, 52, 17920, 32_528_943_616),
+                "llama-65b" => ("llama-65b", 80, 8192, 64, 64, 22016, 65_285_660_672),
+                "llama-2-7b" => ("llama-2-7b", 32, 4096, 32, 32, 11008, 6_738_415_616),
+                "llama-2-13b" => ("llama-2-13b", 40, 5120, 40, 40, 13824, 13_015_864_320),
+                "codellama-34b" => ("codellama-34b", 48, 8192, 64, 8, 22016, 33_743_970_304),
+                "llama-2-70b" => ("llama-2-70b", 80, 8192, 64, 8, 28672, 68_976_648_192),
                 _ => return None,
             };
         Some(ModelShape {
@@ -113,7 +119,7 @@ impl ModelShape {
             layers,
             hidden,
             heads,
-            kv_heads: heads,
+            kv_heads,
             intermediate,
             vocab: 32000,
             tied_embeddings: false,

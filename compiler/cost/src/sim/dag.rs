@@ -43,6 +43,12 @@ pub struct GenerateSpec {
     /// rest wait and are prefilled and admitted as rows free (continuous batching). `None`:
     /// every sample runs from the start.
     pub max_batch: Option<u64>,
+    /// Pipeline stages inside each instance (1 for Braid's engine, which decodes with tensor
+    /// parallelism only; more for a system that pipelines generation, as ReaL's heuristic
+    /// does): each instance's devices split into `stages` stages of `devices / instances /
+    /// stages` tensor-parallel devices, and a step costs
+    /// [`crate::cost::CostModel::pipelined_decode_step_time`].
+    pub stages: u64,
 }
 
 /// Running samples one instance of Braid's generation engine holds at most

@@ -626,7 +626,7 @@ impl Instance {
         }
         let ctx = (self.sum_ctx0 + live as i64 * (self.step + 1)).max(0) as f64 / live as f64;
         g.cost
-            .decode_step_time(&g.model, layout, live, ctx.round() as u64)
+            .pipelined_decode_step_time(&g.model, layout, live, ctx.round() as u64)
     }
 
     /// Decodes one step; returns how many samples finished.
@@ -703,10 +703,11 @@ fn trace_generation(
     lens: &[u64],
 ) -> GenerationTrace {
     let per = devices.len() / g.instances as usize;
+    let stages = g.stages.clamp(1, per.max(1) as u64);
     let layout = Layout {
         dp: 1,
-        tp: per as u64,
-        pp: 1,
+        tp: (per as u64 / stages).max(1),
+        pp: stages,
     };
     let mut insts: Vec<Instance> = (0..g.instances as usize)
         .map(|k| Instance {

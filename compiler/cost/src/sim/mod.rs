@@ -80,6 +80,7 @@ mod tests {
                 to_instances: 1,
             }),
             max_batch: None,
+            stages: 1,
         }))
     }
 
@@ -238,6 +239,7 @@ mod tests {
                     cost: cost.clone(),
                     migration: None,
                     max_batch,
+                    stages: 1,
                 })),
             );
             let dag = b.build().expect("valid DAG");
@@ -579,6 +581,7 @@ mod tests {
                 cost: CostModel::new(DeviceKind::A100.spec(), 8),
                 migration: None,
                 max_batch: None,
+                stages: 1,
             }))
         };
         let per_sample = |samples| Work::PerSample {
