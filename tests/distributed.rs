@@ -1318,3 +1318,73 @@ fn calibrate_on_two_ranks_measures_the_all_reduce() {
     let points = v["measured"]["timings"]["allreduce"].as_array().unwrap();
     assert!(points.len() >= 2, "{points:?}");
 }
+
+/// A rank that generates and streams the policy's log-probabilities but does not train it
+/// (its own generation copy), calls on disjoint ranks that run side by side (the critic's
+/// training on rank 1 while the policy trains on rank 0, the policy's reshard after both),
+/// and streaming that changes when the calls compute, never what.
+#[test]
+fn a_rank_that_only_generates_and_scores_streams_and_trains_beside_the_other() {
+    let dir = tmp("side");
+    let src = std::fs::read_to_string("examples/ppo_tiny.rlhf").unwrap();
+    let program = format!(
+        "{}\ncluster {{ cpus: 2 }}\n\nschedule {{\n  place generate(policy) on 0..2\n  place logprobs(policy) on 1..2\n  place logprobs(ref) on 0..1\n  place train(policy) on 0..1\n  place values(critic) on 0..2\n  place score(reward_model) on 0..2\n  place train(critic) on 1..2\n}}\n",
+        src.replace("steps: 80", "steps: 4")
+    );
+    let file = Path::new("examples").join(format!(".side-{}.rlhf", std::process::id()));
+    std::fs::write(&file, program).unwrap();
+    let mut runs = Vec::new();
+    for (name, extra) in [("fused", None), ("unfused", Some("--no-fuse"))] {
+        let run_dir = dir.join(name);
+        let mut args = vec![
+            file.to_str().unwrap().to_string(),
+            "--run-dir".into(),
+            run_dir.to_str().unwrap().into(),
+            "--checkpoint-every".into(),
+            "0".into(),
+            "--gen-lengths".into(),
+            "fixed:16".into(),
+        ];
+        args.extend(extra.map(String::from));
+        let refs: Vec<&str> = args.iter().map(|s| s.as_str()).collect();
+        let (ok, stderr) = launch_run(2, &refs, Duration::from_secs(600));
+        if !ok {
+            let _ = std::fs::remove_file(&file);
+            panic!("{name}: {stderr}");
+        }
+        if extra.is_none() {
+            // The case under test: rank 1 streams the policy's log-probabilities.
+            assert!(
+                stderr
+                    .lines()
+                    .any(|l| l.starts_with("streaming under generate(policy): logprobs(policy)")),
+                "{stderr}"
+            );
+        }
+        runs.push(run_dir);
+    }
+    let _ = std::fs::remove_file(&file);
+    let (fused, unfused) = (metrics(&runs[0]), metrics(&runs[1]));
+    assert_eq!(fused.len(), 4);
+    for (a, b) in fused.iter().zip(&unfused) {
+        for k in ["reward_mean", "kl", "policy/loss", "critic/loss"] {
+            assert!((num(a, k) - num(b, k)).abs() < TOL, "{k}: {a:?} vs {b:?}");
+        }
+    }
+    // On rank 1 the policy's weights move to it after the critic trained there, not before.
+    let timeline: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(runs[1].join("timeline.json")).unwrap())
+            .unwrap();
+    let span = |name: &str, cat: &str| {
+        timeline["traceEvents"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|e| e["tid"] == 1 && e["name"] == name && e["cat"] == cat)
+            .map(|e| (e["ts"].as_f64().unwrap(), e["dur"].as_f64().unwrap()))
+            .unwrap_or_else(|| panic!("no {name} {cat} span on rank 1: {timeline}"))
+    };
+    let (critic, critic_dur) = span("train(critic)", "train");
+    let (reshard, _) = span("train(policy)", "transfer");
+    assert!(reshard >= critic + critic_dur, "{timeline}");
+}

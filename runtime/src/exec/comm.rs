@@ -9,8 +9,12 @@
 //! one process nothing here talks to anyone: every exchange is the identity.
 //!
 //! Values every node computes are small next to the models (tokens and numbers of a batch), so
-//! after a model call its results are gathered onto every rank, and compute nodes (`fn`
-//! kernels, arithmetic, losses) run on every rank on the same inputs, giving the same outputs.
+//! a model call's results are gathered onto every rank, and compute nodes (`fn` kernels,
+//! arithmetic, losses) run on every rank on the same inputs, giving the same outputs. The
+//! gather waits until a node first reads the results (its place in the order is the same on
+//! every rank), so calls the plan puts on disjoint ranks run at the same time; likewise the
+//! reshards after a training into the next iteration's calls wait for the end of the step
+//! when no later call of the step uses the model they move.
 
 use std::collections::BTreeMap;
 use std::time::Duration;

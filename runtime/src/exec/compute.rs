@@ -15,7 +15,10 @@ impl<'p> Executor<'p> {
 
     /// Runs inference call `id` (a `logprobs`, `values` or `score` node) on a rollout's
     /// sequences as planned: each data-parallel replica of its mesh on its block of the
-    /// sequences, in the plan's micro-batches; then every rank gathers every block.
+    /// sequences, in the plan's micro-batches. On one process that is the call's value; on
+    /// several, this rank's rows, which every rank gathers when a later node first reads them
+    /// ([`Executor::gather_value`]) — so that calls placed on disjoint ranks run at the same
+    /// time, as the plan has them, instead of each waiting for the other's results.
     pub(super) fn infer_call(
         &mut self,
         id: NodeId,
@@ -23,17 +26,31 @@ impl<'p> Executor<'p> {
         model: u32,
         seqs: &[Rollout],
         temperature: f64,
-    ) -> Result<Val> {
+    ) -> Result<Inferred> {
         let micro = self.micro_size(id, seqs.len());
         if self.comm.is_single() {
-            return self.infer(op, model, seqs, temperature, micro);
+            return Ok(Inferred::Value(self.infer(
+                op,
+                model,
+                seqs,
+                temperature,
+                micro,
+            )?));
         }
         let p = *self
             .exec
             .placement(id)
             .ok_or_else(|| Error::invalid("plan", format!("{id} has no placement")))?;
         if p.pp > 1 {
-            return self.infer_pipelined(id, op, model, seqs, temperature, micro, &p);
+            return Ok(Inferred::Rows(self.infer_pipelined(
+                id,
+                op,
+                model,
+                seqs,
+                temperature,
+                micro,
+                &p,
+            )?));
         }
         let mut rows: Vec<Option<PerSampleOut>> = vec![None; seqs.len()];
         if let (Some(c), Some(share)) = (p.coords(self.comm.rank as u64), self.share_of(id)?) {
@@ -56,13 +73,13 @@ impl<'p> Executor<'p> {
                 }
             }
         }
-        self.gathered(id, op, rows)
+        Ok(Inferred::Rows(rows))
     }
 
     /// An inference call through pipeline stages: each replica's lane of stages runs its block
     /// of the sequences, micro-batch by micro-batch, forward through the stages
     /// (`Pipeline::forward_all`), and its last stage computes the call's numbers from the final
-    /// hidden states; then every rank gathers every block.
+    /// hidden states. Returns this rank's rows (gathered later, as for [`Executor::infer_call`]).
     #[allow(clippy::too_many_arguments)]
     fn infer_pipelined(
         &mut self,
@@ -73,7 +90,7 @@ impl<'p> Executor<'p> {
         temperature: f64,
         micro: usize,
         p: &braid_ir::exec_plan::Placement,
-    ) -> Result<Val> {
+    ) -> Result<Vec<Option<PerSampleOut>>> {
         let rank = self.comm.rank;
         let mut rows: Vec<Option<PerSampleOut>> = vec![None; seqs.len()];
         if let (Some(c), Some(share)) = (p.coords(rank as u64), self.share_of(id)?) {
@@ -110,11 +127,16 @@ impl<'p> Executor<'p> {
                 }
             }
         }
-        self.gathered(id, op, rows)
+        Ok(rows)
     }
 
     /// Every replica's rows of inference call `id`, gathered onto every rank, as its value.
-    fn gathered(&self, id: NodeId, op: &Op, rows: Vec<Option<PerSampleOut>>) -> Result<Val> {
+    pub(super) fn gather_value(
+        &self,
+        id: NodeId,
+        op: &Op,
+        rows: Vec<Option<PerSampleOut>>,
+    ) -> Result<Val> {
         let rows = stream::gather_rows(&self.comm, rows)?;
         let rows: Option<Vec<PerSampleOut>> = rows.into_iter().collect();
         let rows = rows.ok_or_else(|| {
@@ -161,6 +183,14 @@ impl<'p> Executor<'p> {
             infer_per_sample(slot.whole()?, op, seqs, &opts)?,
         ))
     }
+}
+
+/// What an inference call leaves on this rank (see [`Executor::infer_call`]).
+pub(super) enum Inferred {
+    /// The call's whole value (one process).
+    Value(Val),
+    /// This rank's rows (`None` for the rows other replicas compute), to be gathered.
+    Rows(Vec<Option<PerSampleOut>>),
 }
 
 pub(super) fn infer_per_sample(

@@ -395,6 +395,89 @@ impl Executor<'_> {
     }
 }
 
+impl<'p> Executor<'p> {
+    /// After call `id` ran (or was skipped here): its transfers and the release of the copies
+    /// they read, now or — when they may wait (`transfers_wait`) — at the end of the step.
+    fn after_call(
+        &mut self,
+        id: NodeId,
+        at_end: &mut Vec<NodeId>,
+        step: i64,
+        t_step: Instant,
+    ) -> Result<()> {
+        if self.transfers_wait(id) {
+            at_end.push(id);
+            return Ok(());
+        }
+        let t1 = t_step.elapsed().as_secs_f64();
+        self.transfers_after(id)?;
+        self.release_copies(id)?;
+        let t2 = t_step.elapsed().as_secs_f64();
+        if t2 - t1 > 1e-4 {
+            self.span(step, id, "transfer", t1, t2);
+        }
+        Ok(())
+    }
+
+    /// Whether the transfers after call `id` may wait for the end of the step: there are some,
+    /// every one is a reshard into a call of the next iteration (earlier in the order), and no
+    /// later call of this iteration runs on a model they move. Then the ranks that do not take
+    /// part in `id` go on with their own calls (a critic training beside the policy's) instead
+    /// of waiting for the weights to move. Every rank decides the same from the plan, so the
+    /// transfers still meet in the same order everywhere.
+    fn transfers_wait(&self, id: NodeId) -> bool {
+        if self.comm.is_single() {
+            return false;
+        }
+        let g = &self.plan.graph;
+        let pos = |n: NodeId| self.order.iter().position(|&x| x == n);
+        let Some(at) = pos(id) else {
+            return false;
+        };
+        let mut any = false;
+        for n in g.node_ids() {
+            match g.node(n).map(|x| &x.op) {
+                Some(Op::Reshard {
+                    model,
+                    after,
+                    before,
+                    ..
+                }) if *after == id => {
+                    let next_iteration = pos(*before).is_some_and(|b| b <= at);
+                    let used_later = self.order[at + 1..].iter().any(|&later| {
+                        g.node(later)
+                            .is_some_and(|x| x.op.is_model_call() && x.op.model() == Some(*model))
+                    });
+                    if !next_iteration || used_later {
+                        return false;
+                    }
+                    any = true;
+                }
+                Some(Op::Offload { after, .. }) if *after == id => return false,
+                _ => {}
+            }
+        }
+        any
+    }
+
+    /// Gathers the rows of the inference calls `ids` (in that order, the same on every rank)
+    /// onto every rank, as their values.
+    fn gather_pending(
+        &mut self,
+        ids: &[NodeId],
+        ungathered: &mut BTreeMap<NodeId, (Op, Vec<Option<PerSampleOut>>)>,
+        vals: &mut BTreeMap<NodeId, Val>,
+    ) -> Result<()> {
+        for id in ids {
+            if let Some((op, rows)) = ungathered.remove(id) {
+                let v = self.gather_value(*id, &op, rows)?;
+                vals.insert(*id, v);
+            }
+        }
+        Ok(())
+    }
+}
+
 /// A `train` with its inputs, ready to run (or waiting for the one it is interleaved with).
 struct PendingTrain {
     id: NodeId,
@@ -428,6 +511,10 @@ impl<'p> Executor<'p> {
         let order = self.order.clone();
         // Trainings waiting for the one they are interleaved with.
         let mut deferred: BTreeMap<NodeId, PendingTrain> = BTreeMap::new();
+        // Inference calls whose rows are not gathered yet (see `Executor::infer_call`).
+        let mut ungathered: BTreeMap<NodeId, (Op, Vec<Option<PerSampleOut>>)> = BTreeMap::new();
+        // Calls whose transfers wait for the end of the step (see `transfers_wait`).
+        let mut at_end: Vec<NodeId> = Vec::new();
         for id in order {
             if vals.contains_key(&id) {
                 continue;
@@ -436,6 +523,18 @@ impl<'p> Executor<'p> {
                 continue;
             };
             let inputs = self.plan.graph.inputs(id);
+            let pending: Vec<NodeId> = inputs
+                .iter()
+                .copied()
+                .filter(|n| ungathered.contains_key(n))
+                .collect();
+            if !pending.is_empty() {
+                let t0 = t_step.elapsed().as_secs_f64();
+                self.gather_pending(&pending, &mut ungathered, &mut vals)?;
+                let t1 = t_step.elapsed().as_secs_f64();
+                *time.entry("infer").or_default() += t1 - t0;
+                rollout_done = rollout_done.max(t1);
+            }
             if node.op.is_model_call() {
                 self.reloads_before(id)?;
             }
@@ -529,10 +628,24 @@ impl<'p> Executor<'p> {
                 Op::Logprobs { model } | Op::Values { model } | Op::Score { model } => {
                     let r = rollout_of(&vals, inputs.first())?;
                     let seqs = self.sequences_of(id, *model, &r)?;
-                    let v = self.infer_call(id, &node.op, *model, &seqs, r.temperature)?;
+                    let inferred = self.infer_call(id, &node.op, *model, &seqs, r.temperature)?;
                     *time.entry("infer").or_default() += t0.elapsed().as_secs_f64();
                     rollout_done = rollout_done.max(t_step.elapsed().as_secs_f64());
-                    v
+                    match inferred {
+                        Inferred::Value(v) => v,
+                        Inferred::Rows(rows) => {
+                            if self.share_of(id)?.is_some() {
+                                let (a, b) = (
+                                    t0.duration_since(t_step).as_secs_f64(),
+                                    t_step.elapsed().as_secs_f64(),
+                                );
+                                self.span(step, id, "inference", a, b);
+                            }
+                            ungathered.insert(id, (node.op.clone(), rows));
+                            self.after_call(id, &mut at_end, step, t_step)?;
+                            continue;
+                        }
+                    }
                 }
                 Op::Kernel { args, .. } => {
                     let k = self.kernels.get(&id).cloned().ok_or_else(|| {
@@ -687,8 +800,7 @@ impl<'p> Executor<'p> {
                         if b.id != id {
                             self.span(step, b.id, "train", a, e);
                             vals.insert(b.id, Val::Unit);
-                            self.transfers_after(b.id)?;
-                            self.release_copies(b.id)?;
+                            self.after_call(b.id, &mut at_end, step, t_step)?;
                         }
                     }
                     *time.entry("train").or_default() += t0.elapsed().as_secs_f64();
@@ -709,6 +821,19 @@ impl<'p> Executor<'p> {
                 self.span(step, id, stage, a, b);
             }
             vals.insert(id, v);
+            self.after_call(id, &mut at_end, step, t_step)?;
+        }
+        if let Some(id) = deferred.keys().next() {
+            return Err(Error::invalid(
+                "plan",
+                format!("{id} is interleaved with a training that never ran"),
+            ));
+        }
+        // The results no node of the step read (the metrics below may).
+        let rest: Vec<NodeId> = ungathered.keys().copied().collect();
+        self.gather_pending(&rest, &mut ungathered, &mut vals)?;
+        // The transfers into the next iteration's calls, in the order of their calls.
+        for id in at_end {
             let t1 = t_step.elapsed().as_secs_f64();
             self.transfers_after(id)?;
             self.release_copies(id)?;
@@ -716,12 +841,6 @@ impl<'p> Executor<'p> {
             if t2 - t1 > 1e-4 {
                 self.span(step, id, "transfer", t1, t2);
             }
-        }
-        if let Some(id) = deferred.keys().next() {
-            return Err(Error::invalid(
-                "plan",
-                format!("{id} is interleaved with a training that never ran"),
-            ));
         }
         // Rewards, KL and lengths of the rollout the policy learns from.
         if let Some(Val::PerSample(r)) = self.reward_node.and_then(|n| vals.get(&n)) {

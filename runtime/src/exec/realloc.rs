@@ -22,6 +22,7 @@ use tch::{Kind, Tensor};
 
 use crate::dist::ProcessGroup;
 use crate::error::{Error, Result};
+use crate::exec::comm::BUCKET_BYTES;
 
 /// The slices of one model a rank holds, by the planner's names.
 pub type Slices = BTreeMap<Slice, Tensor>;
@@ -160,55 +161,106 @@ pub fn run_plan_mapped(
             last_use.insert(src, i);
         }
     }
-    let mut pieces: BTreeMap<Param, Vec<(Slice, Tensor)>> = BTreeMap::new();
-    for (i, t) in plan.transfers.iter().enumerate() {
-        let sender = seat(&map.from, t.from);
-        let receivers: Vec<u64> = t.to.iter().map(|&d| seat(&map.to, d)).collect();
-        let sending = sender == rank;
-        let receiving = receivers.contains(&rank);
-        if !sending && !receiving {
-            continue;
+    // Each transfer's receive shape (rows, columns of what it moves).
+    let dims_of = |t: &braid_ir::transfer::Transfer| {
+        let (rows, cols) = param_shape(shape, t.slice.param);
+        let cols = cols + map.extra_cols.get(&t.slice.param).copied().unwrap_or(0);
+        let len = (t.slice.end - t.slice.start) as i64;
+        match t.slice.dim {
+            None => [rows, cols],
+            Some(0) => [len, cols],
+            Some(_) => [rows, len],
         }
-        let tag = u32::try_from(i).map_err(|_| {
-            Error::invalid("reshard", "a transfer plan of more than 2^32 transfers")
-        })?;
-        if sending {
-            let src = source_of(&held, &t.slice).ok_or_else(|| {
-                Error::invalid(
-                    "reshard",
-                    format!("rank {rank} holds no slice covering {:?}", t.slice),
-                )
-            })?;
-            let piece = sub_slice(&held[&src], &src, &t.slice)?;
-            for &d in &receivers {
-                if d == rank {
-                    pieces
-                        .entry(t.slice.param)
-                        .or_default()
-                        .push((t.slice, piece.copy()));
-                } else {
-                    world.send(&piece, d as usize, tag)?;
+    };
+    // The transfers between two ranks travel together, packed in buckets of about
+    // `BUCKET_BYTES` (one message each instead of one per slice: on Gloo every message costs
+    // a round of latency, which dominated the reshards of small models). Buckets go in the
+    // order of their first transfer, the same on every rank, and each involves two ranks only,
+    // so the earliest one not yet done always has both ranks at it: no rank waits forever.
+    let elem = kind.elt_size_in_bytes() as i64;
+    let mut buckets: Vec<(u64, u64, Vec<usize>)> = Vec::new();
+    {
+        let mut open: BTreeMap<(u64, u64), (usize, i64)> = BTreeMap::new();
+        for (i, t) in plan.transfers.iter().enumerate() {
+            let sender = seat(&map.from, t.from);
+            let [r, c] = dims_of(t);
+            for &d in &t.to {
+                let receiver = seat(&map.to, d);
+                if receiver == sender || (sender != rank && receiver != rank) {
+                    continue;
+                }
+                let bytes = r * c * elem;
+                match open.get_mut(&(sender, receiver)) {
+                    Some((b, size)) if *size + bytes <= BUCKET_BYTES as i64 => {
+                        buckets[*b].2.push(i);
+                        *size += bytes;
+                    }
+                    _ => {
+                        open.insert((sender, receiver), (buckets.len(), bytes));
+                        buckets.push((sender, receiver, vec![i]));
+                    }
                 }
             }
-            if last_use.get(&src) == Some(&i) {
-                // Its last reader: release it now (when the caller keeps no other handle).
-                held.remove(&src);
-            }
-        } else {
-            let (rows, cols) = param_shape(shape, t.slice.param);
-            let cols = cols + map.extra_cols.get(&t.slice.param).copied().unwrap_or(0);
-            let len = (t.slice.end - t.slice.start) as i64;
-            let dims = match t.slice.dim {
-                None => [rows, cols],
-                Some(0) => [len, cols],
-                Some(_) => [rows, len],
-            };
-            let mut buf = Tensor::f_zeros(dims, (kind, tch::Device::Cpu))?;
-            world.recv(&mut buf, sender as usize, tag)?;
+        }
+    }
+    let mut pieces: BTreeMap<Param, Vec<(Slice, Tensor)>> = BTreeMap::new();
+    // This rank's own pieces (sender and receiver here), and the slices its sends read.
+    let mut outgoing: BTreeMap<usize, Tensor> = BTreeMap::new();
+    for (i, t) in plan.transfers.iter().enumerate() {
+        if seat(&map.from, t.from) != rank {
+            continue;
+        }
+        let src = source_of(&held, &t.slice).ok_or_else(|| {
+            Error::invalid(
+                "reshard",
+                format!("rank {rank} holds no slice covering {:?}", t.slice),
+            )
+        })?;
+        let piece = sub_slice(&held[&src], &src, &t.slice)?;
+        if t.to.iter().any(|&d| seat(&map.to, d) == rank) {
             pieces
                 .entry(t.slice.param)
                 .or_default()
-                .push((t.slice, buf));
+                .push((t.slice, piece.copy()));
+        }
+        if t.to.iter().any(|&d| seat(&map.to, d) != rank) {
+            outgoing.insert(i, piece);
+        }
+        if last_use.get(&src) == Some(&i) {
+            // Its last reader: release it now (when the caller keeps no other handle).
+            held.remove(&src);
+        }
+    }
+    for (sender, receiver, list) in &buckets {
+        let tag = u32::try_from(list[0]).map_err(|_| {
+            Error::invalid("reshard", "a transfer plan of more than 2^32 transfers")
+        })?;
+        if *sender == rank {
+            let flat: Vec<Tensor> =
+                list.iter()
+                    .map(|i| {
+                        outgoing.get(i).map(|t| t.reshape([-1])).ok_or_else(|| {
+                            Error::invalid("reshard", format!("transfer {i} unsent"))
+                        })
+                    })
+                    .collect::<Result<_>>()?;
+            let packed = Tensor::f_cat(&flat, 0)?.f_to_kind(kind)?;
+            world.send(&packed, *receiver as usize, tag)?;
+        } else {
+            let shapes: Vec<[i64; 2]> = list.iter().map(|&i| dims_of(&plan.transfers[i])).collect();
+            let total: i64 = shapes.iter().map(|[r, c]| r * c).sum();
+            let mut buf = Tensor::f_zeros([total], (kind, tch::Device::Cpu))?;
+            world.recv(&mut buf, *sender as usize, tag)?;
+            let mut at = 0;
+            for (&i, [r, c]) in list.iter().zip(&shapes) {
+                let part = buf.f_narrow(0, at, r * c)?.f_reshape([*r, *c])?;
+                at += r * c;
+                let t = &plan.transfers[i];
+                pieces
+                    .entry(t.slice.param)
+                    .or_default()
+                    .push((t.slice, part));
+            }
         }
     }
     let mut out = Slices::new();

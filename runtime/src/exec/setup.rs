@@ -440,24 +440,15 @@ impl<'p> Executor<'p> {
     }
 }
 
-/// The generation replicas of the run, by (model, rank): a trained model that generates while
-/// a streamed consumer runs on the same copy of it gets a second copy to generate on (two
-/// threads cannot share one model), of the generation's share. The tensor-parallel ranks of a
+/// The generation replicas of the run, by (model, rank): a model that generates while a
+/// streamed consumer runs on the same copy of it gets a second copy to generate on (two
+/// threads cannot share one model), of the generation's share — on every such rank, whether
+/// or not it trains the model (a rank that only generates and scores its samples needs one
+/// too; reshards into the share refresh it). The tensor-parallel ranks of a
 /// generation decide together: if one needs a replica, all generate on one, so that they issue
 /// their collectives on the same group.
 fn generation_replicas(exec: &ExecPlan, world: usize) -> Result<BTreeMap<(u32, usize), Share>> {
     let g = &exec.plan.graph;
-    let trains = |m: u32, r: usize| -> Result<bool> {
-        for id in g.node_ids() {
-            if let Some(Op::Train { model, .. }) = g.node(id).map(|n| &n.op)
-                && *model == m
-                && comm::share_at(exec, id, r)?.is_some()
-            {
-                return Ok(true);
-            }
-        }
-        Ok(false)
-    };
     let mut out: BTreeMap<(u32, usize), Share> = BTreeMap::new();
     for id in g.topo_order().unwrap_or_else(|| g.node_ids()) {
         let Some(Op::Generate { model, .. }) = g.node(id).map(|n| &n.op) else {
@@ -477,7 +468,7 @@ fn generation_replicas(exec: &ExecPlan, world: usize) -> Result<BTreeMap<(u32, u
                     same = true;
                 }
             }
-            if same && trains(m, r)? {
+            if same {
                 needed.insert(gs);
             }
         }
