@@ -409,6 +409,12 @@ impl<'p> Executor<'p> {
             at_end.push(id);
             return Ok(());
         }
+        self.run_transfers(id, step, t_step)
+    }
+
+    /// Runs the transfers after call `id` and releases the copies they read, with a timeline
+    /// span when they take time.
+    fn run_transfers(&mut self, id: NodeId, step: i64, t_step: Instant) -> Result<()> {
         let t1 = t_step.elapsed().as_secs_f64();
         self.transfers_after(id)?;
         self.release_copies(id)?;
@@ -834,13 +840,7 @@ impl<'p> Executor<'p> {
         self.gather_pending(&rest, &mut ungathered, &mut vals)?;
         // The transfers into the next iteration's calls, in the order of their calls.
         for id in at_end {
-            let t1 = t_step.elapsed().as_secs_f64();
-            self.transfers_after(id)?;
-            self.release_copies(id)?;
-            let t2 = t_step.elapsed().as_secs_f64();
-            if t2 - t1 > 1e-4 {
-                self.span(step, id, "transfer", t1, t2);
-            }
+            self.run_transfers(id, step, t_step)?;
         }
         // Rewards, KL and lengths of the rollout the policy learns from.
         if let Some(Val::PerSample(r)) = self.reward_node.and_then(|n| vals.get(&n)) {
