@@ -1,7 +1,8 @@
 //! `braid report RUN_DIR --against-sim`: a run's measured iteration and stage times beside
 //! what the simulator predicts for the plan the run executed, on the same workload — the
 //! plan's generated-length distribution (the one `braid run --gen-lengths` imposed, when it
-//! was given) and the prompts' mean length as the run recorded it — and, given a run of the
+//! was given), the prompts' mean length as the run recorded it and their lengths
+//! (`RUN_DIR/prompt-lengths.txt`, which micro-batches pad to) — and, given a run of the
 //! same program without streaming, the measured and the predicted gain of streaming.
 
 use std::fmt::Write as _;
@@ -107,6 +108,15 @@ fn one_run(
     let prompt = mean("prompt_length");
     if prompt >= 1.0 {
         plan.workload.prompt_len = prompt.round() as u64;
+    }
+    // The prompts' lengths as the run saw them: micro-batches pad to their longest.
+    let prompts_path = dir.join("prompt-lengths.txt");
+    if prompts_path.is_file() {
+        let text = std::fs::read_to_string(&prompts_path)
+            .map_err(|e| (format!("{}: cannot read: {e}", prompts_path.display()), 2))?;
+        let d = braid_cost::sim::LengthDist::from_histogram(&text)
+            .map_err(|e| (format!("{}: {e}", prompts_path.display()), 1))?;
+        plan.workload.prompt_lengths = Some(d);
     }
     let a = Annotated::from_exec_plan(&plan);
     let r = simulate_plan(

@@ -113,7 +113,7 @@ fn calibrate_here(args: &Args) -> Result<Option<String>, (String, u8)> {
     let d = &profile.device;
     let o = &d.overheads;
     let mut s = format!(
-        "wrote {} in {:.1} s\n  matmul {:.2}–{:.2} GFLOP/s over {} shapes; memory {:.1} GB/s\n  decode step: {:.0} µs + {:.0} µs per layer + {:.1} µs per row + {:.1} µs per row, layer and 1,000 units of width\n  forward: {:.0} µs + {:.0} µs per layer + {:.2} µs per token + {:.2} µs per token, layer and 1,000 units of width (prefill {:.0} µs more)\n  backward: {:.0} µs + {:.0} µs per layer + {:.2} µs per token + {:.2} µs per token, layer and 1,000 units of width\n  optimizer step: {:.0} µs + {:.0} µs per layer",
+        "wrote {} in {:.1} s\n  matmul {:.2}–{:.2} GFLOP/s over {} shapes; memory {:.1} GB/s\n  decode step: {:.0} µs + {:.0} µs per layer + {:.1} µs per row + {:.1} µs per row, layer and 1,000 units of width\n  forward: {:.0} µs + {:.0} µs per layer + {:.2} µs per token + {:.2} µs per token, layer and 1,000 units of width + {:.2} µs per 1,000 attention scores and layer (prefill {:.0} µs more)\n  backward: {:.0} µs + {:.0} µs per layer + {:.2} µs per token + {:.2} µs per token, layer and 1,000 units of width + {:.2} µs per 1,000 attention scores and layer\n  optimizer step: {:.0} µs + {:.0} µs per layer",
         args.out.display(),
         start.elapsed().as_secs_f64(),
         d.matmul
@@ -132,11 +132,13 @@ fn calibrate_here(args: &Args) -> Result<Option<String>, (String, u8)> {
         o.forward_layer * 1e6,
         o.forward_token * 1e6,
         o.forward_token_layer * 1e9,
+        o.forward_score * 1e9,
         o.prefill * 1e6,
         o.microbatch * 1e6,
         o.backward_layer * 1e6,
         o.backward_token * 1e6,
         o.backward_token_layer * 1e9,
+        o.backward_score * 1e9,
         o.train_step * 1e6,
         o.optimizer_layer * 1e6,
     );

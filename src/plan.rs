@@ -41,9 +41,14 @@ pub struct PlanInputs {
     /// `max_new_tokens`.
     #[arg(long)]
     pub gen_lengths: Option<String>,
-    /// Prompt length in tokens (default 128).
+    /// Prompt length in tokens (default 128; with --prompt-lengths, their mean).
     #[arg(long)]
     pub prompt_len: Option<u64>,
+    /// Prompt lengths, one drawn per prompt, which micro-batches pad to: `fixed:N`,
+    /// `uniform:A..B`, `lognormal:MU,SIGMA[,MAX]`, or a histogram file such as a run's
+    /// `RUN_DIR/prompt-lengths.txt`. Default: every prompt --prompt-len long.
+    #[arg(long)]
+    pub prompt_lengths: Option<String>,
     /// Disable a pass (repeatable): place, sample-split, microbatch-interleave,
     /// reshard-insert, speculate.
     #[arg(long = "disable-pass", value_name = "NAME")]
@@ -149,6 +154,10 @@ pub fn options(inputs: &PlanInputs, file: &Path) -> Result<Options, ExitCode> {
         Some(spec) => Some(lengths(spec).map_err(|e| fail(file, e))?),
         None => None,
     };
+    let prompt_lengths = match &inputs.prompt_lengths {
+        Some(spec) => Some(self::lengths(spec).map_err(|e| fail(file, e))?),
+        None => None,
+    };
     let profile = match &inputs.profile {
         Some(p) => Some(profile(p).map_err(|e| {
             eprintln!("error: {e}");
@@ -160,6 +169,7 @@ pub fn options(inputs: &PlanInputs, file: &Path) -> Result<Options, ExitCode> {
         cluster,
         lengths,
         prompt_len: inputs.prompt_len,
+        prompt_lengths,
         disabled_passes: inputs.disable_pass.clone(),
         profile,
         ..Options::default()
@@ -269,11 +279,12 @@ pub fn run(args: Args) -> ExitCode {
             || args.inputs.cluster.is_some()
             || args.inputs.gen_lengths.is_some()
             || args.inputs.prompt_len.is_some()
+            || args.inputs.prompt_lengths.is_some()
             || !args.inputs.disable_pass.is_empty()
             || args.inputs.profile.is_some()
         {
             eprintln!(
-                "error: {}: a plan file is already planned; --cluster, --gen-lengths, --prompt-len, --disable-pass, --profile and --dump-after apply to programs",
+                "error: {}: a plan file is already planned; --cluster, --gen-lengths, --prompt-len, --prompt-lengths, --disable-pass, --profile and --dump-after apply to programs",
                 args.file.display()
             );
             return ExitCode::from(2);

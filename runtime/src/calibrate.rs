@@ -20,14 +20,15 @@
 use std::time::Instant;
 
 use braid_cost::cost::{
-    CostModel, DeviceSpec, Layout, MatmulRate, ModelShape, Overheads, model::BYTE_VOCAB,
+    CostModel, DeviceSpec, Layout, MatmulRate, ModelShape, Overheads, attention_scores,
+    model::BYTE_VOCAB,
 };
 use tch::{Device, Kind, Tensor};
 
 use crate::dist::{ProcessGroup, ReduceOp};
 use crate::generation::engine::{EngineOptions, generate};
 use crate::generation::sampling::SamplingParams;
-use crate::models::model::Head;
+use crate::models::model::{Head, Model};
 use crate::models::tiny::{TinyConfig, tiny_in};
 use crate::training::infer::{InferOptions, Rollout, logprobs, pad_batch};
 use crate::training::optim::AdamW;
@@ -49,9 +50,11 @@ pub const DECODE_ROWS: [u64; 2] = [4, 32];
 pub const PROMPT_LEN: usize = 8;
 const NEW_SHORT: usize = 8;
 const NEW_LONG: usize = 40;
-/// Inference and training measurements: sequences per pass and their length.
+/// Inference and training measurements: sequences per pass and their lengths (two, so that
+/// the attention scores' term, which grows with the square of the length, separates from the
+/// per-token terms).
 pub const PASS_SEQS: [u64; 2] = [2, 16];
-pub const PASS_LEN: usize = 48;
+pub const PASS_LENS: [usize; 2] = [48, 144];
 /// All-reduce sizes in bytes.
 pub const COLLECTIVE_BYTES: [u64; 5] = [4, 4 << 10, 64 << 10, 1 << 20, 4 << 20];
 
@@ -66,13 +69,16 @@ pub struct Options {
 }
 
 /// One timing of a pass of a tiny model: its width, its layers, its rows (running samples of a decode
-/// step or prefill, sequences of a forward or micro-batch; 0 for an optimizer step) and the
-/// seconds it took.
+/// step or prefill, sequences of a forward or micro-batch; 0 for an optimizer step), the
+/// tokens of each sequence of a forward or micro-batch (0 for the others) and the seconds it
+/// took.
 #[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct PassPoint {
     pub hidden: u64,
     pub layers: u64,
     pub rows: u64,
+    #[serde(default)]
+    pub len: u64,
     pub secs: f64,
 }
 
@@ -83,7 +89,7 @@ pub struct PassTimes {
     pub decode_step: Vec<PassPoint>,
     /// Seconds of the prefill (the short generation less its steps).
     pub prefill: Vec<PassPoint>,
-    /// Seconds of one inference forward over `rows` sequences of [`PASS_LEN`] tokens.
+    /// Seconds of one inference forward over `rows` sequences of `len` tokens ([`PASS_LENS`]).
     pub forward: Vec<PassPoint>,
     /// Seconds of one training micro-batch's forward and backward over the same sequences.
     pub train_microbatch: Vec<PassPoint>,
@@ -273,63 +279,22 @@ fn measure_passes(options: &Options, hidden: u64, layers: u64, out: &mut PassTim
             hidden,
             layers,
             rows,
+            len: 0,
             secs: step,
         });
         out.prefill.push(PassPoint {
             hidden,
             layers,
             rows,
+            len: 0,
             secs: (short - NEW_SHORT as f64 * step).max(0.0),
         });
     }
     let mut optimizer = AdamW::new(&model, optimizer_config())?;
-    for rows in PASS_SEQS {
-        let seqs: Vec<Rollout> = (0..rows as usize)
-            .map(|s| {
-                let ids: Vec<i64> = (0..PASS_LEN)
-                    .map(|t| 3 + ((s * 13 + t * 5) % 200) as i64)
-                    .collect();
-                Rollout {
-                    prompt: ids[..PASS_LEN / 2].to_vec(),
-                    completion: ids[PASS_LEN / 2..].to_vec(),
-                }
-            })
-            .collect();
-        let infer = InferOptions {
-            micro_batch: rows as usize,
-            temperature: 1.0,
-        };
-        out.forward.push(PassPoint {
-            hidden,
-            layers,
-            rows,
-            secs: time(options.min_seconds, || {
-                logprobs(&model, &seqs, &infer).map(|_| ())
-            })?,
-        });
-        // Training: the forward with gradients, the completion tokens' mean log-probability
-        // as the loss, its backward.
-        let refs: Vec<&Rollout> = seqs.iter().collect();
-        let (ids, mask) = pad_batch(&refs, 0, options.device);
-        let secs = tch::with_grad(|| {
-            time(options.min_seconds, || {
-                let logits = model.forward(&ids, Some(&mask))?;
-                let lp = logits.log_softmax(-1, Kind::Float).narrow(
-                    1,
-                    (PASS_LEN / 2) as i64,
-                    (PASS_LEN / 2) as i64,
-                );
-                let loss = -lp.mean(Kind::Float);
-                loss.backward();
-                Ok(())
-            })
-        })?;
-        out.train_microbatch.push(PassPoint {
-            hidden,
-            layers,
-            rows,
-            secs,
-        });
+    for len in PASS_LENS {
+        for rows in PASS_SEQS {
+            measure_pass(options, &model, hidden, layers, rows, len, out)?;
+        }
     }
     // AdamW over every parameter (the gradients of the micro-batches above are there).
     let secs = tch::with_grad(|| {
@@ -342,8 +307,65 @@ fn measure_passes(options: &Options, hidden: u64, layers: u64, out: &mut PassTim
         hidden,
         layers,
         rows: 0,
+        len: 0,
         secs,
     });
+    Ok(())
+}
+
+/// Times an inference forward and a training micro-batch of `model` over `rows` sequences of
+/// `len` tokens (half prompt, half completion).
+fn measure_pass(
+    options: &Options,
+    model: &Model,
+    hidden: u64,
+    layers: u64,
+    rows: u64,
+    len: usize,
+    out: &mut PassTimes,
+) -> Result<()> {
+    let seqs: Vec<Rollout> = (0..rows as usize)
+        .map(|s| {
+            let ids: Vec<i64> = (0..len)
+                .map(|t| 3 + ((s * 13 + t * 5) % 200) as i64)
+                .collect();
+            Rollout {
+                prompt: ids[..len / 2].to_vec(),
+                completion: ids[len / 2..].to_vec(),
+            }
+        })
+        .collect();
+    let infer = InferOptions {
+        micro_batch: rows as usize,
+        temperature: 1.0,
+    };
+    let point = |secs| PassPoint {
+        hidden,
+        layers,
+        rows,
+        len: len as u64,
+        secs,
+    };
+    out.forward.push(point(time(options.min_seconds, || {
+        logprobs(model, &seqs, &infer).map(|_| ())
+    })?));
+    // Training: the forward with gradients, the completion tokens' mean log-probability as the
+    // loss, its backward.
+    let refs: Vec<&Rollout> = seqs.iter().collect();
+    let (ids, mask) = pad_batch(&refs, 0, options.device);
+    let secs = tch::with_grad(|| {
+        time(options.min_seconds, || {
+            let logits = model.forward(&ids, Some(&mask))?;
+            let lp =
+                logits
+                    .log_softmax(-1, Kind::Float)
+                    .narrow(1, (len / 2) as i64, (len / 2) as i64);
+            let loss = -lp.mean(Kind::Float);
+            loss.backward();
+            Ok(())
+        })
+    })?;
+    out.train_microbatch.push(point(secs));
     Ok(())
 }
 
@@ -486,12 +508,13 @@ pub fn fit(base: &DeviceSpec, m: &Measurements) -> Result<DeviceSpec> {
     // The roofline alone (no overheads), with the rates just measured.
     let cost = CostModel::new(d.clone(), 1).for_dtype(4);
     let p = &m.passes;
-    let grid = HIDDENS.len() * LAYERS.len() * 2;
+    let grid = HIDDENS.len() * LAYERS.len() * DECODE_ROWS.len();
+    let passes = HIDDENS.len() * LAYERS.len() * PASS_SEQS.len() * PASS_LENS.len();
     for (v, what, n) in [
         (&p.decode_step, "decode", grid),
         (&p.prefill, "prefill", grid),
-        (&p.forward, "forward", grid),
-        (&p.train_microbatch, "training", grid),
+        (&p.forward, "forward", passes),
+        (&p.train_microbatch, "training", passes),
         (&p.optimizer, "optimizer", HIDDENS.len() * LAYERS.len()),
     ] {
         if v.len() != n {
@@ -523,12 +546,15 @@ pub fn fit(base: &DeviceSpec, m: &Measurements) -> Result<DeviceSpec> {
         decode_row_layer: c[3],
         ..Overheads::default()
     };
-    let tokens = |q: &PassPoint| (q.rows as usize * PASS_LEN) as f64;
+    let tokens = |q: &PassPoint| (q.rows * q.len) as f64;
+    let scores = |q: &PassPoint| -> Result<f64> {
+        Ok(attention_scores(&shape(q)?, one, q.rows as f64, q.len))
+    };
     let mut rows = Vec::new();
     for q in &p.forward {
-        let roof = cost.forward_time(&shape(q)?, one, q.rows, PASS_LEN as u64);
-        let (l, t, h) = (q.layers as f64, tokens(q), q.hidden as f64);
-        rows.push((vec![1.0, l, t, l * t * h], q.secs - roof));
+        let roof = cost.forward_time(&shape(q)?, one, q.rows, q.len);
+        let (l, t, h, s) = (q.layers as f64, tokens(q), q.hidden as f64, scores(q)?);
+        rows.push((vec![1.0, l, t, l * t * h, l * s], q.secs - roof));
     }
     let c = fitted(rows, "forward")?;
     (
@@ -536,23 +562,25 @@ pub fn fit(base: &DeviceSpec, m: &Measurements) -> Result<DeviceSpec> {
         o.forward_layer,
         o.forward_token,
         o.forward_token_layer,
-    ) = (c[0], c[1], c[2], c[3]);
+        o.forward_score,
+    ) = (c[0], c[1], c[2], c[3], c[4]);
     // The prefill is a forward over the prompts: what is left after its forward terms is its
     // fixed part (the mean over the timings).
     let mut left = Vec::new();
     for q in &p.prefill {
         let roof = cost.prefill_time(&shape(q)?, one, q.rows, PROMPT_LEN as u64);
         let t = (q.rows as usize * PROMPT_LEN) as f64;
-        left.push(q.secs - roof - o.forward_terms(q.layers as f64, t, q.hidden as f64));
+        let s = attention_scores(&shape(q)?, one, q.rows as f64, PROMPT_LEN as u64);
+        left.push(q.secs - roof - o.forward_terms(q.layers as f64, t, q.hidden as f64, s));
     }
     o.prefill = (left.iter().sum::<f64>() / left.len() as f64).max(0.0);
     // A micro-batch: its forward (with the forward's terms) and its backward.
     let mut rows = Vec::new();
     for q in &p.train_microbatch {
-        let t = cost.train_step_time(&shape(q)?, one, q.rows, PASS_LEN as u64, 1, false);
-        let (l, tok, h) = (q.layers as f64, tokens(q), q.hidden as f64);
-        let left = q.secs - t.forward - t.backward - o.forward_terms(l, tok, h);
-        rows.push((vec![1.0, l, tok, l * tok * h], left));
+        let t = cost.train_step_time(&shape(q)?, one, q.rows, q.len, 1, false);
+        let (l, tok, h, s) = (q.layers as f64, tokens(q), q.hidden as f64, scores(q)?);
+        let left = q.secs - t.forward - t.backward - o.forward_terms(l, tok, h, s);
+        rows.push((vec![1.0, l, tok, l * tok * h, l * s], left));
     }
     let c = fitted(rows, "training")?;
     (
@@ -560,10 +588,11 @@ pub fn fit(base: &DeviceSpec, m: &Measurements) -> Result<DeviceSpec> {
         o.backward_layer,
         o.backward_token,
         o.backward_token_layer,
-    ) = (c[0], c[1], c[2], c[3]);
+        o.backward_score,
+    ) = (c[0], c[1], c[2], c[3], c[4]);
     let mut rows = Vec::new();
     for q in &p.optimizer {
-        let t = cost.train_step_time(&shape(q)?, one, 1, PASS_LEN as u64, 1, false);
+        let t = cost.train_step_time(&shape(q)?, one, 1, PASS_LENS[0] as u64, 1, false);
         rows.push((vec![1.0, q.layers as f64], q.secs - t.optimizer));
     }
     let c = fitted(rows, "optimizer")?;
@@ -609,10 +638,12 @@ mod tests {
             forward_layer: 60e-6,
             forward_token: 0.3e-6,
             forward_token_layer: 0.002e-6,
+            forward_score: 0.001e-6,
             microbatch: 100e-6,
             backward_layer: 120e-6,
             backward_token: 0.5e-6,
             backward_token_layer: 0.004e-6,
+            backward_score: 0.003e-6,
             train_step: 90e-6,
             optimizer_layer: 30e-6,
         };
@@ -625,28 +656,33 @@ mod tests {
             .flat_map(|h| LAYERS.iter().map(move |l| (h, l)))
         {
             let s = tiny_shape(hidden, layers).unwrap();
-            let pt = |rows, secs| PassPoint {
+            let pt = |rows, len, secs| PassPoint {
                 hidden,
                 layers,
                 rows,
+                len,
                 secs,
             };
             for rows in DECODE_ROWS {
                 p.decode_step
-                    .push(pt(rows, cost.decode_step_time(&s, one, rows, ctx)));
+                    .push(pt(rows, 0, cost.decode_step_time(&s, one, rows, ctx)));
                 p.prefill.push(pt(
                     rows,
+                    0,
                     cost.prefill_time(&s, one, rows, PROMPT_LEN as u64),
                 ));
             }
-            for rows in PASS_SEQS {
-                p.forward
-                    .push(pt(rows, cost.forward_time(&s, one, rows, PASS_LEN as u64)));
-                let t = cost.train_step_time(&s, one, rows, PASS_LEN as u64, 1, false);
-                p.train_microbatch.push(pt(rows, t.forward + t.backward));
+            for len in PASS_LENS.map(|l| l as u64) {
+                for rows in PASS_SEQS {
+                    p.forward
+                        .push(pt(rows, len, cost.forward_time(&s, one, rows, len)));
+                    let t = cost.train_step_time(&s, one, rows, len, 1, false);
+                    p.train_microbatch
+                        .push(pt(rows, len, t.forward + t.backward));
+                }
             }
-            let t = cost.train_step_time(&s, one, 1, PASS_LEN as u64, 1, false);
-            p.optimizer.push(pt(0, t.optimizer));
+            let t = cost.train_step_time(&s, one, 1, PASS_LENS[0] as u64, 1, false);
+            p.optimizer.push(pt(0, 0, t.optimizer));
         }
         let m = Measurements {
             matmul: MATMUL_WIDTHS
@@ -682,6 +718,7 @@ mod tests {
                 o.forward_token_layer,
                 t.forward_token_layer,
             ),
+            ("forward_score", o.forward_score, t.forward_score),
             ("microbatch", o.microbatch, t.microbatch),
             ("backward_layer", o.backward_layer, t.backward_layer),
             ("backward_token", o.backward_token, t.backward_token),
@@ -690,6 +727,7 @@ mod tests {
                 o.backward_token_layer,
                 t.backward_token_layer,
             ),
+            ("backward_score", o.backward_score, t.backward_score),
             ("train_step", o.train_step, t.train_step),
             ("optimizer_layer", o.optimizer_layer, t.optimizer_layer),
         ] {

@@ -65,6 +65,9 @@ pub struct Options {
     pub lengths: Option<LengthDist>,
     /// Prompt length in tokens; `None`: 128.
     pub prompt_len: Option<u64>,
+    /// Prompt lengths, one drawn per prompt (what micro-batches pad to); `None`: every prompt
+    /// `prompt_len` long. Their mean is the prompt length unless `prompt_len` is given.
+    pub prompt_lengths: Option<LengthDist>,
     /// Passes not to run (names as `braid plan --disable-pass` takes them).
     pub disabled_passes: Vec<String>,
     /// The device entry to price the plan with (a calibrated profile, `--profile FILE`);
@@ -242,6 +245,10 @@ pub fn prepare(
     let mut workload = default_workload(&lowered);
     if let Some(l) = &options.lengths {
         workload.lengths = l.clone();
+    }
+    if let Some(d) = &options.prompt_lengths {
+        workload.prompt_len = d.mean().round().max(1.0) as u64;
+        workload.prompt_lengths = Some(d.clone());
     }
     if let Some(p) = options.prompt_len {
         workload.prompt_len = p.max(1);

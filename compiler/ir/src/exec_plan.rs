@@ -44,9 +44,14 @@ pub const PLAN_VERSION: u32 = 2;
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Workload {
+    /// The prompts' mean length in tokens (generation's prefill).
     pub prompt_len: u64,
     /// Generated lengths; clipped to each `generate`'s `max_new_tokens`.
     pub lengths: LengthDist,
+    /// Prompt lengths, one drawn per prompt: what a pass over a micro-batch pads to (its
+    /// longest prompt and completion). None: every prompt is `prompt_len` tokens.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt_lengths: Option<LengthDist>,
 }
 
 impl Workload {
@@ -62,6 +67,7 @@ impl Workload {
                 sigma: 0.6,
                 max,
             },
+            prompt_lengths: None,
         }
     }
 }

@@ -26,6 +26,10 @@ pub struct CallSize {
     pub max_new: u64,
     /// Generated lengths drawn from the workload (seeded), one per sample.
     pub lengths: Vec<u64>,
+    /// Prompt lengths drawn from the workload (seeded), one per sample (a prompt's samples
+    /// share its length); empty when every prompt is `prompt_len` long or no lengths were
+    /// drawn.
+    pub prompt_lens: Vec<u64>,
     /// Sequence length for memory (prompt + limit) and the mean for time.
     pub max_seq: u64,
     pub mean_seq: u64,
@@ -74,6 +78,19 @@ fn size_of(a: &Annotated, id: NodeId, lengths: bool) -> Option<CallSize> {
         lengths.iter().sum::<u64>() as f64 / lengths.len() as f64
     };
     let prompt_len = a.workload.prompt_len.max(1);
+    let prompt_lens = match &a.workload.prompt_lengths {
+        Some(dist) if !lengths.is_empty() => {
+            let mut rng = Rng::new(a.seed ^ (u64::from(gen_id.0) << 32) ^ 0x7072_6f6d_7074);
+            let per = params.n.max(1) as u64;
+            (0..prompts)
+                .flat_map(|_| {
+                    let l = dist.sample(&mut rng).max(1);
+                    std::iter::repeat_n(l, per as usize)
+                })
+                .collect()
+        }
+        _ => Vec::new(),
+    };
     let train = match node.op {
         Op::Train {
             epochs,
@@ -87,11 +104,45 @@ fn size_of(a: &Annotated, id: NodeId, lengths: bool) -> Option<CallSize> {
         prompt_len,
         max_new,
         lengths,
+        prompt_lens,
         max_seq: prompt_len + max_new,
         mean_seq: prompt_len + mean.round() as u64,
         train,
         micro_batch: node.micro_batch.map(|m| m.max(1) as u64),
     })
+}
+
+impl CallSize {
+    /// The length a pass over `per_pass` sequences pads to, averaged over the passes of the
+    /// call: the runtime pads every micro-batch to its longest sequence (prompt and
+    /// completion), so a pass over samples of unequal lengths costs its longest one. The
+    /// samples go in rollout order, as inference takes them, or `shuffled` (seeded by
+    /// `seed`), as training's mini-batches take them. Without drawn lengths, the mean
+    /// sequence.
+    pub fn padded_seq(&self, per_pass: u64, shuffled: Option<u64>) -> u64 {
+        if self.lengths.is_empty() {
+            return self.mean_seq;
+        }
+        let prompt = |i: usize| self.prompt_lens.get(i).copied().unwrap_or(self.prompt_len);
+        let mut seqs: Vec<u64> = (0..self.lengths.len())
+            .map(|i| prompt(i) + self.lengths[i])
+            .collect();
+        if let Some(seed) = shuffled {
+            let mut rng = Rng::new(seed);
+            // Fisher–Yates, as the runtime shuffles a mini-batch's samples.
+            for i in (1..seqs.len()).rev() {
+                let j = rng.range_inclusive(0, i as u64) as usize;
+                seqs.swap(i, j);
+            }
+        }
+        let per = per_pass.max(1) as usize;
+        let (mut sum, mut passes) = (0u64, 0u64);
+        for c in seqs.chunks(per) {
+            sum += c.iter().copied().max().unwrap_or(0);
+            passes += 1;
+        }
+        (sum as f64 / passes.max(1) as f64).round() as u64
+    }
 }
 
 /// The generated lengths of one iteration of `generate` node `gen_id`, seeded by the plan and
@@ -215,7 +266,7 @@ pub fn call_time(a: &Annotated, id: NodeId, p: &Placement) -> f64 {
                 shape,
                 p.layout(),
                 global,
-                size.mean_seq,
+                train_seq(a, id, &size, global, p),
                 p.microbatches.max(1),
                 checkpointing(a, slot),
             );
@@ -229,9 +280,17 @@ pub fn call_time(a: &Annotated, id: NodeId, p: &Placement) -> f64 {
             let (per, chunk) = per_replica(size.samples, p);
             let k = per.div_ceil(chunk) as f64;
             let pp = p.pp.max(1) as f64;
-            (k + pp - 1.0) / pp * cost.forward_time(shape, p.layout(), chunk, size.mean_seq)
+            let seq = size.padded_seq(chunk, None);
+            (k + pp - 1.0) / pp * cost.forward_time(shape, p.layout(), chunk, seq)
         }
     }
+}
+
+/// The length train `id`'s micro-batches pad to, on average: `global` sequences per optimizer
+/// step shuffled, split over the replicas and the micro-batches of placement `p`.
+fn train_seq(a: &Annotated, id: NodeId, size: &CallSize, global: u64, p: &Placement) -> u64 {
+    let per_pass = global.div_ceil(p.dp.max(1) * p.microbatches.max(1));
+    size.padded_seq(per_pass, Some(a.seed ^ u64::from(id.0)))
 }
 
 /// Whether model `slot` trains with activation checkpointing.
@@ -675,7 +734,7 @@ pub fn fused_train(
             shape,
             p.layout(),
             global,
-            size.mean_seq,
+            train_seq(a, id, &size, global, p),
             p.microbatches,
             checkpointing(a, slot),
         );

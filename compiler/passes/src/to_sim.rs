@@ -251,6 +251,7 @@ pub fn to_dag_with(
                 _ if a.decisions.reused_logprobs.contains_key(&id) => Work::Fixed { seconds: 0.0 },
                 _ => {
                     let per = size.samples.div_ceil(p.dp.max(1));
+                    let chunk = per.div_ceil(p.microbatches.max(1));
                     Work::inference(
                         &a.cost,
                         shape,
@@ -261,8 +262,8 @@ pub fn to_dag_with(
                         },
                         p.dp,
                         size.samples,
-                        size.mean_seq,
-                        per.div_ceil(p.microbatches.max(1)),
+                        size.padded_seq(chunk, None),
+                        chunk,
                     )
                 }
             };

@@ -33,6 +33,10 @@ use braid_ir::kernel::{Arg, Batch, KernelExec, Output, ParamKind, Ragged, Sample
 use braid_jit::{CompiledKernel, Jit};
 use tch::{Device, Kind, Tensor};
 
+/// What one step gives back: this rank's metrics, the generated lengths of the main rollout,
+/// and its prompts' lengths (one per prompt).
+type StepOut = (BTreeMap<String, f64>, Vec<usize>, Vec<usize>);
+
 use crate::error::{Error, Result};
 use crate::exec::data::{Dataset, Record};
 use crate::generation::engine::{
@@ -504,13 +508,16 @@ const SAMPLES_PER_STEP: usize = 4;
 
 impl<'p> Executor<'p> {
     /// One iteration of the graph.
-    fn step(&mut self, step: i64) -> Result<(BTreeMap<String, f64>, Vec<usize>)> {
+    /// One iteration: this rank's metrics, the generated lengths of the main rollout and its
+    /// prompts' lengths (one per prompt).
+    fn step(&mut self, step: i64) -> Result<StepOut> {
         let t_step = Instant::now();
         self.timeline.clear();
         let mut vals: BTreeMap<NodeId, Val> = BTreeMap::new();
         let mut m: BTreeMap<String, f64> = BTreeMap::new();
         let mut time: BTreeMap<&'static str, f64> = BTreeMap::new();
         let mut lengths = Vec::new();
+        let mut prompt_lengths = Vec::new();
         // When the rollout and every inference call on it were done (seconds into the step).
         let mut rollout_done: f64 = 0.0;
         let seed = derive(self.plan.seed as u64, step as u64);
@@ -612,6 +619,13 @@ impl<'p> Executor<'p> {
                         if !prompts.is_empty() {
                             m.insert("prompt_length".into(), mean_std(&prompts).0);
                         }
+                        let mut seen = BTreeSet::new();
+                        prompt_lengths = rollout
+                            .samples
+                            .iter()
+                            .filter(|s| seen.insert(s.prompt_index))
+                            .map(|s| s.rollout.prompt.len())
+                            .collect();
                     }
                     let consumers: Vec<NodeId> = streamed.iter().map(|(n, _)| *n).collect();
                     for (n, v) in streamed {
@@ -862,6 +876,6 @@ impl<'p> Executor<'p> {
         m.insert("time/step".into(), t_step.elapsed().as_secs_f64());
         // Generation and inference together: the rollout phase of the step.
         m.insert("time/rollout".into(), rollout_done);
-        Ok((m, lengths))
+        Ok((m, lengths, prompt_lengths))
     }
 }

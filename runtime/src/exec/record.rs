@@ -142,6 +142,7 @@ impl<'p> Executor<'p> {
             .unwrap_or(self.plan.checkpoint_every)
             .max(0);
         let mut lengths_seen: Vec<usize> = Vec::new();
+        let mut prompts_seen: Vec<usize> = Vec::new();
         if self.first_step == 0 && self.evaluates_at(0) {
             // The policy before training: a line of its own, step 0.
             let metrics = self.evaluate()?;
@@ -154,7 +155,7 @@ impl<'p> Executor<'p> {
             }
         }
         for step in self.first_step..self.total_steps {
-            let (mine, lengths) = self.step(step)?;
+            let (mine, lengths, prompts) = self.step(step)?;
             let mut metrics = self.gather_metrics(mine)?;
             self.write_timeline()?;
             let evaluated = self.evaluates_at(step + 1);
@@ -162,6 +163,7 @@ impl<'p> Executor<'p> {
                 metrics.extend(self.evaluate()?);
             }
             lengths_seen.extend(lengths);
+            prompts_seen.extend(prompts);
             if let Some(tb) = tb.as_mut() {
                 write_metrics(&metrics_path, tb, step + 1, &metrics)?;
                 for line in &self.last_samples {
@@ -194,7 +196,15 @@ impl<'p> Executor<'p> {
         if self.writes() && !lengths_seen.is_empty() {
             checkpoint::write_atomic(
                 &self.options.run_dir.join("lengths.txt"),
-                length_histogram(&lengths_seen).as_bytes(),
+                length_histogram("generated lengths of the policy's rollouts", &lengths_seen)
+                    .as_bytes(),
+            )?;
+        }
+        if self.writes() && !prompts_seen.is_empty() {
+            checkpoint::write_atomic(
+                &self.options.run_dir.join("prompt-lengths.txt"),
+                length_histogram("prompt lengths of the policy's rollouts", &prompts_seen)
+                    .as_bytes(),
             )?;
         }
         Ok(())
@@ -518,18 +528,16 @@ pub(super) fn mean_std(x: &[f64]) -> (f64, f64) {
     (mean, var.sqrt())
 }
 
-/// The generated lengths as a histogram in the planner's format (`LEN COUNT` per line, `#`
-/// comments): `braid plan FILE --gen-lengths RUN_DIR/lengths.txt` plans with the observed
-/// distribution.
-pub(super) fn length_histogram(lengths: &[usize]) -> String {
+/// Lengths in tokens as a histogram in the planner's format (`LEN COUNT` per line, `#`
+/// comments), under a comment saying `what` they are: `braid plan FILE --gen-lengths
+/// RUN_DIR/lengths.txt` plans with the observed generated lengths, `--prompt-lengths
+/// RUN_DIR/prompt-lengths.txt` with the observed prompts.
+pub(super) fn length_histogram(what: &str, lengths: &[usize]) -> String {
     let mut counts: BTreeMap<usize, u64> = BTreeMap::new();
     for &l in lengths {
         *counts.entry(l.max(1)).or_default() += 1;
     }
-    let mut out = format!(
-        "# generated lengths of the policy's rollouts: {} samples (LEN COUNT)\n",
-        lengths.len()
-    );
+    let mut out = format!("# {what}: {} (LEN COUNT)\n", lengths.len());
     for (l, c) in counts {
         out.push_str(&format!("{l} {c}\n"));
     }

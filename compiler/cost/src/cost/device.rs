@@ -160,6 +160,10 @@ pub struct Overheads {
     /// Per token, layer and unit of the hidden size of a forward pass (norms, activations,
     /// attention's softmax).
     pub forward_token_layer: f64,
+    /// Per attention score of a forward pass, per layer (`sequences · heads · length²` scores
+    /// a layer: the scores' scaling, masking and softmax beyond the roofline's matmuls, which
+    /// grow with the square of the length where every other term grows with it).
+    pub forward_score: f64,
     /// Per training micro-batch, beyond its forward and backward terms.
     pub microbatch: f64,
     /// Per layer of a micro-batch's backward.
@@ -168,6 +172,8 @@ pub struct Overheads {
     pub backward_token: f64,
     /// Per token, layer and unit of the hidden size of a micro-batch's backward.
     pub backward_token_layer: f64,
+    /// Per attention score of a micro-batch's backward, per layer.
+    pub backward_score: f64,
     /// Per optimizer step (the update's bookkeeping), beyond its layers.
     pub train_step: f64,
     /// Per layer of an optimizer step (the update's loop over a layer's tensors).
@@ -179,20 +185,22 @@ impl Overheads {
         *self == Overheads::default()
     }
 
-    /// A forward pass's terms over `layers` layers of width `hidden` and `tokens` tokens (no
-    /// fixed part).
-    pub fn forward_terms(&self, layers: f64, tokens: f64, hidden: f64) -> f64 {
+    /// A forward pass's terms over `layers` layers of width `hidden`, `tokens` tokens and
+    /// `scores` attention scores per layer (no fixed part).
+    pub fn forward_terms(&self, layers: f64, tokens: f64, hidden: f64, scores: f64) -> f64 {
         layers * self.forward_layer
             + tokens * self.forward_token
             + layers * tokens * hidden * self.forward_token_layer
+            + layers * scores * self.forward_score
     }
 
-    /// A backward pass's terms over `layers` layers of width `hidden` and `tokens` tokens
-    /// (no fixed part).
-    pub fn backward_terms(&self, layers: f64, tokens: f64, hidden: f64) -> f64 {
+    /// A backward pass's terms over `layers` layers of width `hidden`, `tokens` tokens and
+    /// `scores` attention scores per layer (no fixed part).
+    pub fn backward_terms(&self, layers: f64, tokens: f64, hidden: f64, scores: f64) -> f64 {
         layers * self.backward_layer
             + tokens * self.backward_token
             + layers * tokens * hidden * self.backward_token_layer
+            + layers * scores * self.backward_score
     }
 
     /// A decode step's terms over `layers` layers of width `hidden` and `rows` running rows
@@ -426,10 +434,12 @@ impl DeviceSpec {
             ("overheads.forward_layer", o.forward_layer),
             ("overheads.forward_token", o.forward_token),
             ("overheads.forward_token_layer", o.forward_token_layer),
+            ("overheads.forward_score", o.forward_score),
             ("overheads.microbatch", o.microbatch),
             ("overheads.backward_layer", o.backward_layer),
             ("overheads.backward_token", o.backward_token),
             ("overheads.backward_token_layer", o.backward_token_layer),
+            ("overheads.backward_score", o.backward_score),
             ("overheads.train_step", o.train_step),
             ("overheads.optimizer_layer", o.optimizer_layer),
         ];

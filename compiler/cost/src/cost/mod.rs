@@ -102,6 +102,14 @@ pub struct ParamBytes {
     pub optimizer: u64,
 }
 
+/// Attention scores per layer on one device of `layout` for `seqs` sequences of `len` tokens:
+/// `seqs · heads / tp · len²`, every query against every key of its sequence (what a masked
+/// attention kernel computes before the mask drops the future).
+pub fn attention_scores(model: &ModelShape, layout: Layout, seqs: f64, len: u64) -> f64 {
+    let heads = (model.heads / layout.tp.max(1)).max(1) as f64;
+    seqs * heads * (len as f64) * (len as f64)
+}
+
 /// [`ParamBytes`] of a model whose dtype has `dtype_bytes` bytes per element.
 pub fn param_bytes(dtype_bytes: u64, trained: bool) -> ParamBytes {
     if !trained {
@@ -225,6 +233,7 @@ impl CostModel {
                 model.layers as f64,
                 tokens,
                 (model.hidden / layout.tp) as f64,
+                attention_scores(model, layout, batch as f64, prompt_len),
             )
             + o.prefill
     }
@@ -288,6 +297,7 @@ impl CostModel {
                 model.layers as f64,
                 tokens,
                 (model.hidden / layout.tp) as f64,
+                attention_scores(model, layout, seqs as f64, seq_len),
             )
             + o.forward
     }
@@ -311,15 +321,25 @@ impl CostModel {
         let stage_layers = (model.layers / layout.pp) as f64;
         let pass = self.stage_pass(model, layout, tokens, seq_len as f64 / 2.0, 0.0);
         // A micro-batch's fixed cost is charged with its forward.
-        let forward = pass
-            + o.forward_terms(stage_layers, tokens, (model.hidden / layout.tp) as f64)
-            + o.microbatch;
+        let scores = attention_scores(model, layout, seqs_per_mb, seq_len);
+        let forward =
+            pass + o.forward_terms(
+                stage_layers,
+                tokens,
+                (model.hidden / layout.tp) as f64,
+                scores,
+            ) + o.microbatch;
         // Backward: twice the forward FLOPs (gradients for activations and for weights), the
         // same all-reduces; weights are re-read once, so compute dominates except at tiny sizes.
         let fwd_comm = self.tp_comm(model, layout, tokens);
         let backward = 2.0 * (pass - fwd_comm)
             + fwd_comm
-            + o.backward_terms(stage_layers, tokens, (model.hidden / layout.tp) as f64)
+            + o.backward_terms(
+                stage_layers,
+                tokens,
+                (model.hidden / layout.tp) as f64,
+                scores,
+            )
             + if recompute { forward } else { 0.0 };
         let stages = layout.pp as f64;
         let pipeline = (m as f64 + stages - 1.0) * (forward + backward);

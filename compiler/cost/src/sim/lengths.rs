@@ -191,6 +191,27 @@ impl LengthDist {
         Ok(LengthDist::Empirical { lens, cumulative })
     }
 
+    /// The mean length: exact for fixed, uniform and histogram lengths; for log-normal ones
+    /// `exp(mu + sigma²/2)`, the unclipped mean, at most `max`.
+    pub fn mean(&self) -> f64 {
+        match self {
+            LengthDist::Fixed { len } => *len as f64,
+            LengthDist::Uniform { lo, hi } => (*lo + *hi) as f64 / 2.0,
+            LengthDist::LogNormal { mu, sigma, max } => {
+                (mu + sigma * sigma / 2.0).exp().clamp(1.0, *max as f64)
+            }
+            LengthDist::Empirical { lens, cumulative } => {
+                let mut prev = 0u64;
+                let mut sum = 0.0;
+                for (l, c) in lens.iter().zip(cumulative) {
+                    sum += *l as f64 * (c - prev) as f64;
+                    prev = *c;
+                }
+                sum / prev.max(1) as f64
+            }
+        }
+    }
+
     /// Draws one length.
     pub fn sample(&self, rng: &mut Rng) -> u64 {
         match self {
@@ -214,6 +235,16 @@ impl LengthDist {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn means_of_each_kind() {
+        assert_eq!(LengthDist::parse("fixed:7").unwrap().mean(), 7.0);
+        assert_eq!(LengthDist::parse("uniform:10..20").unwrap().mean(), 15.0);
+        let h = LengthDist::from_histogram("# c\n10 1\n20 3\n").unwrap();
+        assert_eq!(h.mean(), 17.5);
+        let ln = LengthDist::parse("lognormal:2.0,0.5,1000").unwrap().mean();
+        assert!((ln - (2.125f64).exp()).abs() < 1e-9, "{ln}");
+    }
 
     #[test]
     fn parses_every_form() {
