@@ -630,12 +630,23 @@ fn every_stdlib_algorithm_runs_as_its_pipeline() {
             8
         };
         assert_eq!(total, n, "{call}: {text}");
+        // One prompt length per prompt: at most one per sample, at least one.
+        let prompts = run_dir.join("prompt-lengths.txt");
+        let text = std::fs::read_to_string(&prompts).unwrap();
+        let counted: u64 = text
+            .lines()
+            .filter(|l| !l.starts_with('#'))
+            .map(|l| l.split_whitespace().nth(1).unwrap().parse::<u64>().unwrap())
+            .sum();
+        assert!(counted >= 1 && counted <= n, "{call}: {text}");
         if i == 0 {
             let out = braid(&[
                 "plan",
                 file.to_str().unwrap(),
                 "--gen-lengths",
                 lengths.to_str().unwrap(),
+                "--prompt-lengths",
+                prompts.to_str().unwrap(),
             ]);
             ok(&out);
         }

@@ -928,3 +928,48 @@ pub fn fused_pairs(
     }
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn size(prompts: Vec<u64>, lengths: Vec<u64>) -> CallSize {
+        let mean = lengths.iter().sum::<u64>() / lengths.len().max(1) as u64;
+        CallSize {
+            samples: lengths.len() as u64,
+            prompt_len: 10,
+            max_new: 100,
+            lengths,
+            prompt_lens: prompts,
+            max_seq: 110,
+            mean_seq: 10 + mean,
+            train: None,
+            micro_batch: None,
+        }
+    }
+
+    #[test]
+    fn equal_sequences_pad_to_themselves() {
+        let s = size(vec![], vec![20; 8]);
+        for per in [1, 2, 8, 100] {
+            assert_eq!(s.padded_seq(per, None), 30);
+            assert_eq!(s.padded_seq(per, Some(7)), 30);
+        }
+    }
+
+    #[test]
+    fn a_pass_pays_its_longest_sequence() {
+        // One long completion among short ones: alone in a pass of one, it costs only its own
+        // pass; in one pass of all, every sequence pays its length.
+        let s = size(vec![], vec![5, 5, 5, 85]);
+        assert_eq!(s.padded_seq(1, None), (15 * 3 + 95) / 4);
+        assert_eq!(s.padded_seq(2, None), (15 + 95) / 2);
+        assert_eq!(s.padded_seq(4, None), 95);
+        // Prompts count too: the longest prompt plus its completion.
+        let s = size(vec![40, 40, 10, 10], vec![5, 5, 5, 5]);
+        assert_eq!(s.padded_seq(2, None), (45 + 15) / 2);
+        assert_eq!(s.padded_seq(4, None), 45);
+        // A shuffle changes which share a pass, never the longest of one pass of all.
+        assert_eq!(s.padded_seq(4, Some(3)), 45);
+    }
+}
