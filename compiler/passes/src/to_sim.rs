@@ -112,9 +112,10 @@ pub fn to_dag_with(
             .interleave
             .iter()
             .flat_map(|d| {
+                let secs = repriced_fused_seconds(a, d);
                 [
-                    (d.forward, (d.reverse, d.fused_seconds)),
-                    (d.reverse, (d.forward, d.fused_seconds)),
+                    (d.forward, (d.reverse, secs)),
+                    (d.reverse, (d.forward, secs)),
                 ]
             })
             .collect()
@@ -713,4 +714,21 @@ pub fn compare(
         full,
         full_report,
     ))
+}
+
+/// Seconds of interleaved training decision `d` on `a`'s workload and cost model: the decided
+/// schedule with every duration scaled as the two trainings' serial time scales from the
+/// planner's workload to this one (a plan simulated with the prompt lengths a run measured,
+/// `braid report --against-sim`, prices its fused training on them, not on the planner's).
+fn repriced_fused_seconds(a: &Annotated, d: &braid_ir::exec_plan::InterleaveDecision) -> f64 {
+    let places = &a.decisions.placements;
+    let (Some(pf), Some(pr)) = (places.get(&d.forward), places.get(&d.reverse)) else {
+        return d.fused_seconds;
+    };
+    match estimate::fused_train(a, d.forward, pf, d.reverse, pr) {
+        Some(now) if d.serial_seconds > 0.0 && now.serial_seconds > 0.0 => {
+            d.fused_seconds * now.serial_seconds / d.serial_seconds
+        }
+        _ => d.fused_seconds,
+    }
 }

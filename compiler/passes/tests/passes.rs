@@ -276,6 +276,39 @@ fn an_interleave_pin_fuses_the_listed_trainings() {
     insta::assert_snapshot!("pin_interleave__ppo_tiny_1x8xH100", text);
 }
 
+/// A plan simulated on another workload than the one it was planned on (as `braid report
+/// --against-sim` does with a run's prompts) prices its interleaved training on that workload:
+/// longer prompts make the fused training longer, in proportion to the trainings' serial time.
+#[test]
+fn interleaved_training_is_priced_on_the_simulated_workload() {
+    use braid_cost::sim::SimOptions;
+    use braid_passes::to_sim::{simulate_plan, summarise};
+    let pins = Pins {
+        interleave: vec![vec![target("train", "policy"), target("train", "critic")]],
+        ..Pins::default()
+    };
+    let a = planned(example("ppo_tiny"), "1x8xH100", pins);
+    assert_eq!(a.decisions.interleave.len(), 1, "{:?}", a.decisions.notes);
+    let opts = SimOptions {
+        iterations: 1,
+        seed: a.seed,
+    };
+    let train = |a: &Annotated| {
+        summarise("braid", &simulate_plan(a, true, &opts).unwrap()).training_seconds
+    };
+    let planned_on = train(&a);
+    let d = &a.decisions.interleave[0];
+    assert!(
+        (planned_on - d.fused_seconds).abs() <= 1e-9 + 1e-6 * d.fused_seconds,
+        "{planned_on} vs {}",
+        d.fused_seconds
+    );
+    let mut longer = a.clone();
+    longer.workload.prompt_len *= 8;
+    let priced = train(&longer);
+    assert!(priced > planned_on * 1.5, "{priced} vs {planned_on}");
+}
+
 #[test]
 fn an_interleave_pin_that_cannot_hold_says_why() {
     // One device: no pipeline to interleave.
