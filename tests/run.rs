@@ -618,12 +618,7 @@ fn every_stdlib_algorithm_runs_as_its_pipeline() {
             assert!(num(&m[1], "critic/loss").is_finite());
         }
         let lengths = run_dir.join("lengths.txt");
-        let text = std::fs::read_to_string(&lengths).unwrap();
-        let total: u64 = text
-            .lines()
-            .filter(|l| !l.starts_with('#'))
-            .map(|l| l.split_whitespace().nth(1).unwrap().parse::<u64>().unwrap())
-            .sum();
+        let (total, text) = histogram_count(&lengths);
         let n = if module.contains("grpo") || *module == "rloo" || *module == "reinforce_pp" {
             16
         } else {
@@ -632,12 +627,7 @@ fn every_stdlib_algorithm_runs_as_its_pipeline() {
         assert_eq!(total, n, "{call}: {text}");
         // One prompt length per prompt: at most one per sample, at least one.
         let prompts = run_dir.join("prompt-lengths.txt");
-        let text = std::fs::read_to_string(&prompts).unwrap();
-        let counted: u64 = text
-            .lines()
-            .filter(|l| !l.starts_with('#'))
-            .map(|l| l.split_whitespace().nth(1).unwrap().parse::<u64>().unwrap())
-            .sum();
+        let (counted, text) = histogram_count(&prompts);
         assert!(counted >= 1 && counted <= n, "{call}: {text}");
         if i == 0 {
             let out = braid(&[
@@ -652,6 +642,17 @@ fn every_stdlib_algorithm_runs_as_its_pipeline() {
         }
     }
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The total count of a `LEN COUNT` histogram file (`#` lines skipped), and its text.
+fn histogram_count(path: &Path) -> (u64, String) {
+    let text = std::fs::read_to_string(path).unwrap();
+    let total = text
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .map(|l| l.split_whitespace().nth(1).unwrap().parse::<u64>().unwrap())
+        .sum();
+    (total, text)
 }
 
 /// The python that has `transformers`: `BRAID_TRANSFORMERS_PYTHON`, or `.venv/bin/python` with

@@ -33,10 +33,6 @@ use braid_ir::kernel::{Arg, Batch, KernelExec, Output, ParamKind, Ragged, Sample
 use braid_jit::{CompiledKernel, Jit};
 use tch::{Device, Kind, Tensor};
 
-/// What one step gives back: this rank's metrics, the generated lengths of the main rollout,
-/// and its prompts' lengths (one per prompt).
-type StepOut = (BTreeMap<String, f64>, Vec<usize>, Vec<usize>);
-
 use crate::error::{Error, Result};
 use crate::exec::data::{Dataset, Record};
 use crate::generation::engine::{
@@ -506,9 +502,12 @@ struct PendingTrain {
 /// prompts, enough to read what the policy does without the file growing with the batch.
 const SAMPLES_PER_STEP: usize = 4;
 
+/// What one step gives back: this rank's metrics, the generated lengths of the main rollout,
+/// and its prompts' lengths (one per prompt).
+type StepOut = (BTreeMap<String, f64>, Vec<usize>, Vec<usize>);
+
 impl<'p> Executor<'p> {
-    /// One iteration of the graph.
-    /// One iteration: this rank's metrics, the generated lengths of the main rollout and its
+    /// One iteration of the graph: this rank's metrics, the generated lengths of the main rollout and its
     /// prompts' lengths (one per prompt).
     fn step(&mut self, step: i64) -> Result<StepOut> {
         let t_step = Instant::now();
