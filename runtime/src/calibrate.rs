@@ -480,12 +480,60 @@ fn least_squares(rows: &[(Vec<f64>, f64)]) -> Option<Vec<f64>> {
     Some((0..k).map(|i| a[i][k] / a[i][i]).collect())
 }
 
+/// Non-negative least squares: the coefficients `c ≥ 0` minimising `Σ (features(p)·c − y(p))²`.
+/// Exact, by enumerating supports: the optimum is the unconstrained least-squares solution on
+/// its support, so it is the best of the supports whose solution is non-negative (a fit has at
+/// most five terms: 32 small systems). Columns are scaled to unit size first, as the terms'
+/// features span twelve orders of magnitude. `None` only without rows.
+fn non_negative_least_squares(rows: &[(Vec<f64>, f64)]) -> Option<Vec<f64>> {
+    let k = rows.first()?.0.len();
+    assert!(k <= 16, "{k} terms: enumerating supports is for a handful");
+    let scale: Vec<f64> = (0..k)
+        .map(|j| {
+            let m = rows.iter().map(|(x, _)| x[j].abs()).fold(0.0, f64::max);
+            if m > 0.0 { m } else { 1.0 }
+        })
+        .collect();
+    let residual = |c: &[f64]| -> f64 {
+        rows.iter()
+            .map(|(x, y)| {
+                let fit: f64 = x.iter().zip(c).map(|(a, b)| a * b).sum();
+                (fit - y).powi(2)
+            })
+            .sum()
+    };
+    let mut best: Option<(f64, Vec<f64>)> = None;
+    for support in 1u32..(1 << k) {
+        let cols: Vec<usize> = (0..k).filter(|j| support & (1 << j) != 0).collect();
+        let reduced: Vec<(Vec<f64>, f64)> = rows
+            .iter()
+            .map(|(x, y)| (cols.iter().map(|&j| x[j] / scale[j]).collect(), *y))
+            .collect();
+        let Some(sol) = least_squares(&reduced) else {
+            continue;
+        };
+        if sol.iter().any(|&v| v < 0.0 || !v.is_finite()) {
+            continue;
+        }
+        let mut c = vec![0.0; k];
+        for (&j, v) in cols.iter().zip(sol) {
+            c[j] = v / scale[j];
+        }
+        let r = residual(&c);
+        if best.as_ref().is_none_or(|(b, _)| r < *b) {
+            best = Some((r, c));
+        }
+    }
+    // No support with a non-negative solution: the optimum is to add nothing.
+    Some(best.map_or_else(|| vec![0.0; k], |(_, c)| c))
+}
+
 /// The device entry the measurements give: `base` (the datasheet entry of the device's kind)
 /// with its FLOP/s table, memory bandwidth, per-pass overheads and (with more than one CPU
 /// rank) collective constants replaced by the measured ones. Efficiency factors become 1:
 /// measured rates are achieved rates. Each pass kind's time beyond the roofline (priced with
 /// the measured rates) is fitted to its [`Overheads`] terms by least squares over the tiny
-/// models' layer and row counts; a term fitted below zero is zero.
+/// models' layer and row counts, with every term non-negative (an overhead is time added).
 pub fn fit(base: &DeviceSpec, m: &Measurements) -> Result<DeviceSpec> {
     let mut d = base.clone();
     d.matmul = m.matmul.clone();
@@ -527,8 +575,7 @@ pub fn fit(base: &DeviceSpec, m: &Measurements) -> Result<DeviceSpec> {
     let one = Layout::SINGLE;
     let shape = |q: &PassPoint| tiny_shape(q.hidden, q.layers);
     let fitted = |rows: Vec<(Vec<f64>, f64)>, what: &str| -> Result<Vec<f64>> {
-        least_squares(&rows)
-            .map(|c| c.into_iter().map(|x| x.max(0.0)).collect())
+        non_negative_least_squares(&rows)
             .ok_or_else(|| Error::invalid("calibrate", format!("the {what} timings do not fit")))
     };
     let context = (PROMPT_LEN + (NEW_SHORT + NEW_LONG) / 2) as u64;
@@ -750,6 +797,61 @@ mod tests {
             "{c:?}"
         );
         assert_eq!(least_squares(&[(vec![1.0, 2.0], 1.0)]), None);
+    }
+
+    #[test]
+    fn non_negative_least_squares_refits_without_a_term_that_would_go_negative() {
+        // y = 2 + 3x exactly: both terms positive, recovered as they are.
+        let rows: Vec<(Vec<f64>, f64)> = (0..5)
+            .map(|i| (vec![1.0, i as f64], 2.0 + 3.0 * i as f64))
+            .collect();
+        let c = non_negative_least_squares(&rows).unwrap();
+        assert!(
+            (c[0] - 2.0).abs() < 1e-9 && (c[1] - 3.0).abs() < 1e-9,
+            "{c:?}"
+        );
+        // y = 10 − x: the unconstrained slope is −1; clamping it would keep the intercept 10
+        // and overpredict every point but the first. The constrained optimum drops the slope
+        // and refits the intercept to the mean.
+        let rows: Vec<(Vec<f64>, f64)> = (0..5)
+            .map(|i| (vec![1.0, i as f64], 10.0 - i as f64))
+            .collect();
+        let unconstrained = least_squares(&rows).unwrap();
+        assert!(unconstrained[1] < 0.0, "{unconstrained:?}");
+        let c = non_negative_least_squares(&rows).unwrap();
+        assert_eq!(c[1], 0.0, "{c:?}");
+        assert!((c[0] - 8.0).abs() < 1e-9, "{c:?}");
+        // Targets all below zero: nothing is added.
+        let rows = vec![(vec![1.0, 1.0], -1.0), (vec![1.0, 2.0], -2.0)];
+        assert_eq!(non_negative_least_squares(&rows), Some(vec![0.0, 0.0]));
+    }
+
+    /// The exact optimum is no worse than any non-negative point of a grid around it.
+    #[test]
+    fn non_negative_least_squares_beats_every_non_negative_grid_point() {
+        let rows: Vec<(Vec<f64>, f64)> = (0..8)
+            .map(|i| {
+                let x = i as f64;
+                let y = 1.0 + 0.5 * x - 0.3 * x * x + if i % 2 == 0 { 0.2 } else { -0.2 };
+                (vec![1.0, x, x * x], y)
+            })
+            .collect();
+        let r = |c: &[f64]| -> f64 {
+            rows.iter()
+                .map(|(x, y)| (x.iter().zip(c).map(|(a, b)| a * b).sum::<f64>() - y).powi(2))
+                .sum()
+        };
+        let c = non_negative_least_squares(&rows).unwrap();
+        assert!(c.iter().all(|&v| v >= 0.0), "{c:?}");
+        let best = r(&c);
+        for a in 0..=20 {
+            for b in 0..=20 {
+                for q in 0..=10 {
+                    let g = [a as f64 * 0.25, b as f64 * 0.1, q as f64 * 0.01];
+                    assert!(best <= r(&g) + 1e-9, "{g:?} fits better than {c:?}");
+                }
+            }
+        }
     }
 
     #[test]
