@@ -224,6 +224,14 @@ fn survivor_or_victim(rank: usize) {
             Err(DistError::Broken { .. }) => {}
             other => panic!("a failed group was used again: {other:?}"),
         }
+        // Rank 0 hosts the store the others diagnose through: every survivor stays until the
+        // parent has seen all of them report, so none is blamed for another's exit.
+        let release = std::env::var("BRAID_DIST_TEST_RELEASE").expect("release file");
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !std::path::Path::new(&release).exists() {
+            assert!(Instant::now() < deadline, "rank {rank}: never released");
+            std::thread::sleep(Duration::from_millis(10));
+        }
         return;
     }
     panic!("rank {rank}: a million all-reduces and no failure");
@@ -234,7 +242,16 @@ fn survivor_or_victim(rank: usize) {
 /// it was killed, at the timeout plus the diagnosis when it was stopped.
 fn disturb(test: &str, n: usize, victim: usize, kill: bool) {
     let _serial = serial();
-    let mut ranks = Ranks::spawn(test, n, &[("BRAID_DIST_TEST_VICTIM", victim.to_string())]);
+    let release = std::env::temp_dir().join(format!("braid-dist-release-{}", std::process::id()));
+    let _ = std::fs::remove_file(&release);
+    let mut ranks = Ranks::spawn(
+        test,
+        n,
+        &[
+            ("BRAID_DIST_TEST_VICTIM", victim.to_string()),
+            ("BRAID_DIST_TEST_RELEASE", release.display().to_string()),
+        ],
+    );
     let all: Vec<usize> = (0..n).collect();
     ranks.wait_ready(&all, Duration::from_secs(30));
     std::thread::sleep(Duration::from_millis(200));
@@ -246,11 +263,16 @@ fn disturb(test: &str, n: usize, victim: usize, kill: bool) {
     }
     let survivors: Vec<usize> = all.iter().copied().filter(|&r| r != victim).collect();
     let diagnosis = KILL_HEARTBEAT * 3;
-    let done = ranks.expect_success(
-        &survivors,
-        KILL_TIMEOUT + diagnosis + Duration::from_secs(10),
-    );
+    let within = KILL_TIMEOUT + diagnosis + Duration::from_secs(10);
+    let reported: Vec<String> = survivors
+        .iter()
+        .map(|r| format!("rank {r} error:"))
+        .collect();
+    let done = ranks.wait_printed(&survivors, &reported, within);
     let took = done - disturbed;
+    std::fs::write(&release, b"").expect("write the release file");
+    ranks.expect_success(&survivors, within);
+    let _ = std::fs::remove_file(&release);
     if kill {
         // Closed sockets are noticed at once: well within the timeout.
         assert!(took < KILL_TIMEOUT, "{took:?}:\n{}", ranks.all_output());

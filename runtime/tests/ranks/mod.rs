@@ -107,6 +107,45 @@ impl Ranks {
         }
     }
 
+    /// Waits until each of `ranks` has printed a line starting with its `prefixes` entry, and
+    /// returns when the last one was seen; a rank that exits first fails the test.
+    pub fn wait_printed(
+        &mut self,
+        ranks: &[usize],
+        prefixes: &[String],
+        within: Duration,
+    ) -> Instant {
+        let deadline = Instant::now() + within;
+        let printed = |out: &str, prefix: &str| out.lines().any(|l| l.starts_with(prefix));
+        loop {
+            let mut all = true;
+            for (&rank, prefix) in ranks.iter().zip(prefixes) {
+                if printed(&self.output(rank), prefix) {
+                    continue;
+                }
+                all = false;
+                if let Some(status) = self.children[rank].try_wait().expect("try_wait") {
+                    // Its last lines may still be in the pipe.
+                    std::thread::sleep(Duration::from_millis(100));
+                    assert!(
+                        printed(&self.output(rank), prefix),
+                        "rank {rank} exited ({status}) without printing `{prefix}`:\n{}",
+                        self.all_output()
+                    );
+                }
+            }
+            if all {
+                return Instant::now();
+            }
+            assert!(
+                Instant::now() < deadline,
+                "ranks {ranks:?} did not all report within {within:?}:\n{}",
+                self.all_output()
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
     /// Waits for `ranks` to exit and asserts they succeeded; returns when the last one did.
     pub fn expect_success(&mut self, ranks: &[usize], within: Duration) -> Instant {
         let deadline = Instant::now() + within;
