@@ -206,6 +206,39 @@ pub fn real_heuristic_placements(a: &Annotated) -> Result<BTreeMap<NodeId, Place
     Ok(out)
 }
 
+/// The plan behind the "ReaL-Heuristic" bars of ReaL's throughput figure: every call on all
+/// devices with one Megatron-LM layout — tensor parallelism over a node's devices, a pipeline
+/// stage per node, no data parallelism (`handpicked_model_device_mapping(mode="model_pipe")`
+/// of ReaLHF's profiler, the mode the figure's plotting script labels "ReaL-Heuristic";
+/// `docs/planning.md`, "Baselines"). Micro-batches are ReaL's defaults: generation and
+/// inference `pp` (pipelined), training `2·pp` with a pipeline and one without. The
+/// tensor-parallel degree is lowered to one dividing the model's heads, the pipeline degree
+/// to one dividing its layers. One layout for every call means no parameter reallocation.
+pub fn real_symmetric_placements(a: &Annotated) -> Result<BTreeMap<NodeId, Placement>, String> {
+    let r = roles(a);
+    if r.generate.is_none() {
+        return Err("ReaL's symmetric plan needs a generation".into());
+    }
+    let n = a.cluster.devices();
+    let nodes = a.cluster.nodes.max(1);
+    let mut out = BTreeMap::new();
+    for id in a.calls() {
+        let heads = shape_of(a, id).map_or(1, |s| s.heads.max(1));
+        let mut tp = a.cluster.per_node.max(1).min(n);
+        while tp > 1 && !heads.is_multiple_of(tp) {
+            tp /= 2;
+        }
+        let mut p = place(a, id, 0, n, tp, nodes);
+        p.microbatches = match a.plan.graph.node(id).map(|x| &x.op) {
+            Some(Op::Train { .. }) if p.pp > 1 => 2 * p.pp,
+            Some(Op::Train { .. }) => 1,
+            _ => p.pp,
+        };
+        out.insert(id, p);
+    }
+    Ok(out)
+}
+
 /// Bytes per device that every model's ZeRO-3 shards (weights, gradients, optimizer state)
 /// hold over `ranks` devices, for the models in `slots`.
 fn zero3_resident(a: &Annotated, slots: &[u32], trained: &[u32], ranks: u64) -> f64 {

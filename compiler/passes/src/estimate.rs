@@ -189,7 +189,7 @@ pub fn instance_generate_time(
         n as u64
     };
     let n = admit(&mut running, &mut waiting);
-    t += cost.prefill_time(shape, layout, n, prompt_len);
+    t += cost.pipelined_prefill_time(shape, layout, n, prompt_len);
     while !waiting.is_empty() {
         let live = running.len() as u64;
         let ctx = running.iter().map(|r| r.1).sum::<u64>() / live.max(1);
@@ -201,7 +201,7 @@ pub fn instance_generate_time(
         running.retain(|r| r.0 > 0);
         let n = admit(&mut running, &mut waiting);
         if n > 0 {
-            t += cost.prefill_time(shape, layout, n, prompt_len);
+            t += cost.pipelined_prefill_time(shape, layout, n, prompt_len);
         }
     }
     // Nothing waits: lock-step over what runs.
@@ -337,6 +337,51 @@ pub fn call_memory(a: &Annotated, id: NodeId, p: &Placement) -> Option<MemoryNee
         _ => MemoryUse::default(),
     };
     Some(a.cost_of(slot).memory(shape, p.layout(), &use_))
+}
+
+/// Whether every device can hold what `placements` put on it at once: the state of each
+/// trained model with a call there (weights, gradients and optimizer state — the largest
+/// over its calls there, since parameters are reallocated between layouts, not copied) stays
+/// resident between calls, and the largest transient need of a call there comes on top (its
+/// activations or KV cache, and a frozen model's weights, which `reshard-insert` offloads
+/// between its calls when they crowd another call). `memory` gives a call's needs on a
+/// placement (a cache of [`call_memory`]). This is what `place` searches within; `braid
+/// plan`'s `E0504` for a device's residents is the same account once offloads are known.
+pub fn devices_hold(
+    a: &Annotated,
+    placements: &BTreeMap<NodeId, Placement>,
+    memory: &mut dyn FnMut(NodeId, &Placement) -> Option<MemoryNeeds>,
+) -> bool {
+    let usable = a.cost.device.usable_memory();
+    let n = a.cluster.devices() as usize;
+    let mut resident: Vec<BTreeMap<u32, u64>> = vec![BTreeMap::new(); n];
+    let mut transient = vec![0u64; n];
+    for (&id, p) in placements {
+        let (Some(m), Some(mem)) = (
+            a.plan.graph.node(id).and_then(|x| x.op.model()),
+            memory(id, p),
+        ) else {
+            continue;
+        };
+        let state = mem.weights + mem.gradients + mem.optimizer;
+        let (keep, here) = if a.is_trained(m) {
+            (state, mem.activations + mem.kv_cache)
+        } else {
+            (0, state + mem.activations + mem.kv_cache)
+        };
+        for d in p.devices() {
+            let d = d as usize;
+            if d >= n {
+                continue;
+            }
+            if keep > 0 {
+                let e = resident[d].entry(m).or_default();
+                *e = (*e).max(keep);
+            }
+            transient[d] = transient[d].max(here);
+        }
+    }
+    (0..n).all(|d| resident[d].values().sum::<u64>() + transient[d] <= usable)
 }
 
 /// Whether a placement fits its devices' memory.

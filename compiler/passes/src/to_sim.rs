@@ -515,7 +515,7 @@ fn ratio(a: f64, b: f64) -> f64 {
 }
 
 /// The systems of a comparison, simulated: results in order (DeepSpeed-Chat, OpenRLHF, ReaL's
-/// heuristic, Braid without fusion, Braid; a baseline that cannot run is left out with a
+/// heuristic, ReaL's symmetric plan, Braid without fusion, Braid; a baseline that cannot run is left out with a
 /// note), the notes, and Braid's plan and report.
 pub struct Systems {
     pub results: Vec<SystemResult>,
@@ -526,8 +526,8 @@ pub struct Systems {
     pub nofuse: SystemResult,
 }
 
-/// Plans `base` five ways and simulates each: DeepSpeed-Chat, OpenRLHF and ReaL's heuristic
-/// as [`crate::baselines`] models them, Braid without fusion (`sample-split` and
+/// Plans `base` six ways and simulates each: DeepSpeed-Chat, OpenRLHF, ReaL's heuristic and
+/// ReaL's symmetric plan as [`crate::baselines`] models them, Braid without fusion (`sample-split` and
 /// `microbatch-interleave` disabled) and Braid.
 pub fn systems(
     base: &Annotated,
@@ -622,6 +622,15 @@ pub fn systems(
     };
     let real_report = simulate_plan(&real, false, opts).map_err(sim_err)?;
     systems.push(summarise(&real_name, &real_report));
+    // The plan of the "ReaL-Heuristic" bars in ReaL's figure: one Megatron-LM layout for
+    // every call on all devices.
+    match simulate_real_symmetric(base, opts)? {
+        Ok(r) => systems.push(summarise(
+            "real-symmetric (all devices, tp over a node, a stage per node)",
+            &r,
+        )),
+        Err(e) => notes.push(format!("real-symmetric not simulated: {e}")),
+    }
     // Without fusion: the same system — the same passes, `place` searching for a plan that
     // does not fuse — with `sample-split` and `microbatch-interleave` off (RLHFuse's
     // RLHFuse-Base), so the gain is the fusion's alone.
@@ -640,6 +649,34 @@ pub fn systems(
         full_report,
         nofuse: nofuse_sum,
     })
+}
+
+/// ReaL's symmetric plan ([`baselines::real_symmetric_placements`]) simulated on `base`
+/// without fusion, parameters moved by reshards where layouts differ (they do not); the inner
+/// error says why the plan does not apply to the program.
+pub fn simulate_real_symmetric(
+    base: &Annotated,
+    opts: &SimOptions,
+) -> Result<Result<SimReport, String>, PassError> {
+    let placements = match baselines::real_symmetric_placements(base) {
+        Ok(p) => p,
+        Err(e) => return Ok(Err(e)),
+    };
+    let mut x = base.clone();
+    x.decisions.placements = placements;
+    let off: Vec<String> = [
+        "place",
+        "sample-split",
+        "microbatch-interleave",
+        "speculate",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    PassManager::new().disable(&off)?.run(&mut x, |_, _| {})?;
+    simulate_plan(&x, false, opts)
+        .map(Ok)
+        .map_err(|e| PassError(format!("simulation: {e}")))
 }
 
 /// [`systems`], with the fusion gains and each pass's gain. Returns the comparison and

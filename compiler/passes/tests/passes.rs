@@ -497,6 +497,83 @@ fn reals_heuristic_follows_its_published_allocation() {
 }
 
 #[test]
+fn reals_symmetric_plan_puts_every_call_on_all_devices_with_one_layout() {
+    // The figure's "ReaL-Heuristic": tp over a node's 8 devices, a stage per node, dp 1; ReaL's
+    // default micro-batches (pp for generation and inference, 2·pp for a pipelined training).
+    let a = annotate(ppo_7b(), "4x8xH100", Pins::default());
+    let p = by_name(
+        &a,
+        &braid_passes::baselines::real_symmetric_placements(&a).unwrap(),
+    );
+    assert_eq!(p.len(), a.calls().len());
+    for (name, x) in &p {
+        assert_eq!(
+            (x.first, x.count, x.dp, x.tp, x.pp),
+            (0, 32, 1, 8, 4),
+            "{name}"
+        );
+        let mb = if name.starts_with("train") { 8 } else { 4 };
+        assert_eq!(x.microbatches, mb, "{name}");
+    }
+    // One node: no pipeline, one micro-batch for training.
+    let a = annotate(ppo_7b(), "1x8xH100", Pins::default());
+    let p = by_name(
+        &a,
+        &braid_passes::baselines::real_symmetric_placements(&a).unwrap(),
+    );
+    let t = p["train(actor)"];
+    assert_eq!((t.dp, t.tp, t.pp, t.microbatches), (1, 8, 1, 1));
+}
+
+/// `place` searches within what a device holds at once: every trained model's state stays
+/// resident between its calls, so a plan whose devices could run each call alone but not hold
+/// the trained models together is not chosen when one that fits exists.
+#[test]
+fn placement_keeps_what_every_device_holds_within_its_memory() {
+    let a = planned(ppo_7b(), "1x8xH100", Pins::default());
+    let placements = a.decisions.placements.clone();
+    assert!(braid_passes::estimate::devices_hold(
+        &a,
+        &placements,
+        &mut |id, p| braid_passes::estimate::call_memory(&a, id, p)
+    ));
+    let thirteen = PPO_7B.replace("llama-7b", "llama-13b");
+    let small = annotate(
+        lower("ppo_13b.rlhf", &thirteen),
+        "1x4xH100",
+        Pins::default(),
+    );
+    let two: std::collections::BTreeMap<_, _> = small
+        .calls()
+        .into_iter()
+        .filter(|id| small.call_name(*id).starts_with("train"))
+        .map(|id| {
+            (
+                id,
+                braid_passes::annotated::Placement {
+                    first: 0,
+                    count: 4,
+                    dp: 1,
+                    tp: 4,
+                    pp: 1,
+                    microbatches: 32,
+                },
+            )
+        })
+        .collect();
+    // Each 13B training alone fits four devices (its 20 B a parameter in bf16 quartered by
+    // tp 4: 65 GB); the two trained models' state together does not.
+    for (id, p) in &two {
+        assert!(braid_passes::estimate::fits(&small, *id, p));
+    }
+    assert!(!braid_passes::estimate::devices_hold(
+        &small,
+        &two,
+        &mut |id, p| braid_passes::estimate::call_memory(&small, id, p)
+    ));
+}
+
+#[test]
 fn deepspeed_chat_gathers_for_every_call_and_limits_its_generation_batch() {
     let a = annotate(ppo_7b(), "1x8xH100", Pins::default());
     let (p, extras, rows) = braid_passes::baselines::deepspeed_chat(&a).unwrap();
@@ -560,6 +637,7 @@ fn the_comparison_names_every_baseline_or_says_why_not() {
         "deepspeed-chat",
         "openrlhf",
         "real-heuristic (ReaL's",
+        "real-symmetric",
         "braid",
     ] {
         assert!(names.iter().any(|n| n.starts_with(prefix)), "{names:?}");

@@ -120,6 +120,7 @@ fn gpu(kind: DeviceKind, flops: f64, hbm: f64, mem_gb: u64, nvlink: f64, net: f6
         // factors above stand for every shape, and `braid calibrate` measures the rest.
         overheads: Overheads::default(),
         matmul: Vec::new(),
+        host_decode: None,
     }
 }
 
@@ -237,6 +238,38 @@ pub struct DeviceSpec {
     /// compute_efficiency` for every shape.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub matmul: Vec<MatmulRate>,
+    /// A generation engine that launches every kernel of a decode step from the host (no
+    /// CUDA graphs) and waits for the device at every step, so that at small batches a step
+    /// takes the host's time rather than the device's; `None`: the device's time
+    /// (`decode_layer_overhead` standing for the launch gaps of an engine with CUDA graphs).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_decode: Option<HostDecode>,
+}
+
+/// The host's seconds in a decode step of an engine whose steps are host-bound: each layer's
+/// kernels launched one by one, each tensor-parallel all-reduce a collective call that waits
+/// for the slowest rank of its group, and — in pipelined generation — each schedule step's
+/// blocking sends and receives between stages and its synchronisations. A step takes the
+/// larger of this and the device's time (the kernels run while the host launches the next).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HostDecode {
+    /// Per layer of a decode pass, without tensor parallelism.
+    pub layer: f64,
+    /// Per tensor-parallel all-reduce of a decode pass (two per layer when `tp > 1`).
+    pub collective: f64,
+    /// Per schedule step of pipelined decoding: every stage runs one micro-batch, hands it
+    /// to the next stage and synchronises; a token round takes `max(micro-batches, stages)`
+    /// schedule steps.
+    pub schedule_step: f64,
+}
+
+impl HostDecode {
+    /// Host seconds of one decode pass over `layers` layers with `tp`-way tensor parallelism.
+    pub fn pass(&self, layers: f64, tp: u64) -> f64 {
+        let collectives = if tp > 1 { 2.0 } else { 0.0 };
+        layers * (self.layer + collectives * self.collective)
+    }
 }
 
 impl DeviceSpec {
@@ -263,6 +296,7 @@ impl DeviceSpec {
             reserved_memory: GIB / 2,
             overheads: Overheads::default(),
             matmul: Vec::new(),
+            host_decode: None,
         }
     }
 
@@ -442,7 +476,15 @@ impl DeviceSpec {
             ("overheads.backward_score", o.backward_score),
             ("overheads.train_step", o.train_step),
             ("overheads.optimizer_layer", o.optimizer_layer),
-        ];
+        ]
+        .into_iter()
+        .chain(self.host_decode.iter().flat_map(|h| {
+            [
+                ("host_decode.layer", h.layer),
+                ("host_decode.collective", h.collective),
+                ("host_decode.schedule_step", h.schedule_step),
+            ]
+        }));
         for (name, v) in non_negative {
             if !(v.is_finite() && v >= 0.0) {
                 return Err(format!("`device.{name}` is {v}; it must be zero or more"));

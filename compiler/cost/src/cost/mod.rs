@@ -15,8 +15,8 @@ use std::fmt;
 use serde::{Deserialize, Serialize};
 
 pub use device::{
-    DeviceKind, DeviceProfile, DeviceSpec, MatmulRate, Overheads, PROFILE_FORMAT, PROFILE_VERSION,
-    measure_cpu_flops,
+    DeviceKind, DeviceProfile, DeviceSpec, HostDecode, MatmulRate, Overheads, PROFILE_FORMAT,
+    PROFILE_VERSION, measure_cpu_flops,
 };
 pub use model::{BYTE_VOCAB, ModelShape};
 
@@ -238,10 +238,38 @@ impl CostModel {
             + o.prefill
     }
 
+    /// Prefill of `batch` prompts on a pipelined instance (`layout.pp` stages), as ReaL's
+    /// pipelined generation runs it: the prompts split into `m = min(pp, batch)` micro-batches
+    /// issued back to back, so the prefill takes `m + pp − 1` stage times of one micro-batch
+    /// (each with the host's hand-over on a host-bound engine) rather than the whole batch
+    /// crossing every stage alone. With one stage this is [`CostModel::prefill_time`].
+    pub fn pipelined_prefill_time(
+        &self,
+        model: &ModelShape,
+        layout: Layout,
+        batch: u64,
+        prompt_len: u64,
+    ) -> f64 {
+        let pp = layout.pp.max(1);
+        if pp == 1 || batch == 0 {
+            return self.prefill_time(model, layout, batch, prompt_len);
+        }
+        let m = pp.min(batch);
+        let stage = self.prefill_time(model, layout, batch.div_ceil(m), prompt_len) / pp as f64;
+        let hand_over = self
+            .device
+            .host_decode
+            .as_ref()
+            .map_or(0.0, |h| h.schedule_step);
+        (m + pp - 1) as f64 * (stage + hand_over)
+    }
+
     /// One decode step for `batch` live sequences with `context` tokens each: memory-bound at
     /// small batch — every step reads all weights and the whole KV cache — and compute-bound
     /// only at large batch. Summed over pipeline stages, since a token crosses them all, plus
-    /// the device's fixed per-layer decode overhead.
+    /// the device's fixed per-layer decode overhead. On an engine whose decode steps are
+    /// host-bound ([`DeviceSpec::host_decode`]) the step takes the larger of that and the
+    /// host's time to launch it.
     pub fn decode_step_time(
         &self,
         model: &ModelShape,
@@ -254,13 +282,18 @@ impl CostModel {
         }
         let kv = (batch * context * model.kv_bytes_per_token(self.dtype_bytes)) as f64
             / (layout.tp * layout.pp) as f64;
-        layout.pp as f64 * self.stage_pass(model, layout, batch as f64, context as f64, kv)
+        let device = layout.pp as f64
+            * self.stage_pass(model, layout, batch as f64, context as f64, kv)
             + model.layers as f64 * self.device.decode_layer_overhead
             + self.device.overheads.decode_terms(
                 model.layers as f64,
                 batch as f64,
                 (model.hidden / layout.tp) as f64,
-            )
+            );
+        match &self.device.host_decode {
+            Some(h) => device.max(h.pass(model.layers as f64, layout.tp)),
+            None => device,
+        }
     }
 
     /// One decode step of `batch` live sequences on a pipelined instance (`layout.pp` stages),
@@ -269,8 +302,9 @@ impl CostModel {
     /// further — takes `max(m, pp)` stage times of one micro-batch. Decode is memory-bound, so
     /// each stage still reads its weights once per micro-batch: pipelining decode on `pp`
     /// devices costs about what one device holding the whole model would, where tensor
-    /// parallelism over them divides the weight reads. With one stage this is
-    /// [`CostModel::decode_step_time`].
+    /// parallelism over them divides the weight reads. On a host-bound engine each of those
+    /// schedule steps also pays the engine's `schedule_step` (the hand-over between stages
+    /// and its synchronisation). With one stage this is [`CostModel::decode_step_time`].
     pub fn pipelined_decode_step_time(
         &self,
         model: &ModelShape,
@@ -284,7 +318,12 @@ impl CostModel {
         }
         let m = pp.min(batch);
         let stage = self.decode_step_time(model, layout, batch.div_ceil(m), context) / pp as f64;
-        m.max(pp) as f64 * stage
+        let hand_over = self
+            .device
+            .host_decode
+            .as_ref()
+            .map_or(0.0, |h| h.schedule_step);
+        m.max(pp) as f64 * (stage + hand_over)
     }
 
     /// Forward (inference, e.g. log-probs or values) of `seqs` sequences of `seq_len` tokens on
@@ -578,6 +617,70 @@ mod tests {
         // Fewer sequences than stages: one micro-batch each, still `pp` stage times a step.
         let two = c.pipelined_decode_step_time(&m, pp4, 2, 256);
         assert!((two - 4.0 * c.decode_step_time(&m, pp4, 1, 256) / 4.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn a_host_bound_engine_decodes_at_the_hosts_pace_until_the_device_is_slower() {
+        let mut c = h100_node();
+        let m = llama7b();
+        let device_only = |b: u64, l: Layout| c.decode_step_time(&m, l, b, 512);
+        let (one, big) = (
+            device_only(1, Layout::SINGLE),
+            device_only(4096, Layout::SINGLE),
+        );
+        c.device.host_decode = Some(HostDecode {
+            layer: 0.5e-3,
+            collective: 0.3e-3,
+            schedule_step: 1e-3,
+        });
+        // Batch 1: the host's 32 × 0.5 ms, far above the device's ~6.4 ms.
+        let host = c.decode_step_time(&m, Layout::SINGLE, 1, 512);
+        assert!(
+            (host - 32.0 * 0.5e-3).abs() < 1e-12 && host > one,
+            "{host} {one}"
+        );
+        // A batch large enough that the device is slower: the device's time, unchanged.
+        assert_eq!(c.decode_step_time(&m, Layout::SINGLE, 4096, 512), big);
+        assert!(big > 32.0 * 0.5e-3);
+        // Tensor parallelism adds two collective calls a layer on the host.
+        let tp2 = Layout {
+            dp: 1,
+            tp: 2,
+            pp: 1,
+        };
+        let t = c.decode_step_time(&m, tp2, 1, 512);
+        assert!((t - 32.0 * (0.5e-3 + 2.0 * 0.3e-3)).abs() < 1e-12, "{t}");
+        // Pipelined: each of the max(micro-batches, stages) schedule steps runs a stage's share
+        // of the layers and hands over.
+        let pp4 = Layout {
+            dp: 1,
+            tp: 1,
+            pp: 4,
+        };
+        let piped = c.pipelined_decode_step_time(&m, pp4, 8, 512);
+        let expected = 4.0 * (8.0 * 0.5e-3 + 1e-3);
+        assert!((piped - expected).abs() < 1e-12, "{piped} vs {expected}");
+    }
+
+    #[test]
+    fn pipelined_prefill_issues_micro_batches_back_to_back() {
+        let c = h100_node();
+        let m = llama7b();
+        assert_eq!(
+            c.pipelined_prefill_time(&m, Layout::SINGLE, 64, 128),
+            c.prefill_time(&m, Layout::SINGLE, 64, 128)
+        );
+        let pp4 = Layout {
+            dp: 1,
+            tp: 1,
+            pp: 4,
+        };
+        // Four micro-batches of 16 through four stages: seven stage times of one micro-batch,
+        // well under the whole batch crossing the four stages one after the other.
+        let piped = c.pipelined_prefill_time(&m, pp4, 64, 128);
+        let stage = c.prefill_time(&m, pp4, 16, 128) / 4.0;
+        assert!((piped - 7.0 * stage).abs() < 1e-12, "{piped} vs {stage}");
+        assert!(piped < 0.6 * c.prefill_time(&m, pp4, 64, 128));
     }
 
     #[test]

@@ -658,7 +658,8 @@ impl Instance {
             .map(|len| (len as i64, g.prompt_len as i64))
             .collect();
         self.receive(&admitted);
-        g.cost.prefill_time(&g.model, layout, free, g.prompt_len)
+        g.cost
+            .pipelined_prefill_time(&g.model, layout, free, g.prompt_len)
     }
 
     /// Takes the unfinished samples out as (tokens left, current context); waiting ones

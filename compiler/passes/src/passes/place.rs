@@ -16,6 +16,7 @@ use std::collections::BTreeMap;
 use braid_ir::graph::NodeId;
 
 use crate::annotated::{Annotated, PinTarget, Placement, SearchRecord};
+use crate::cost::MemoryNeeds;
 use crate::estimate::{self, EstimateOptions};
 use crate::passes::{Pass, PassError};
 use crate::prng::Rng;
@@ -25,6 +26,9 @@ pub struct Place;
 
 /// Proposals per model call (the chain's length is this times the number of free calls).
 const ITERATIONS_PER_CALL: u64 = 600;
+
+/// How many times over the chain prices a plan whose devices cannot hold it at once.
+const OVERFLOW_PENALTY: f64 = 1e3;
 
 impl Pass for Place {
     fn name(&self) -> &'static str {
@@ -68,8 +72,19 @@ impl Pass for Place {
             };
             estimate::iteration_time(a, pl, &deps, &mut times, o)
         };
+        // What every device holds at once (`estimate::devices_hold`): the chain prices a plan
+        // whose devices cannot hold it [`OVERFLOW_PENALTY`] times over, so it leaves such a plan
+        // for any that fits and still ranks plans that all overflow.
+        let mut memory_cache: BTreeMap<(NodeId, [u64; 5]), Option<MemoryNeeds>> = BTreeMap::new();
+        let mut holds = |a: &Annotated, pl: &BTreeMap<NodeId, Placement>| {
+            estimate::devices_hold(a, pl, &mut |id, p| {
+                memory_cache
+                    .entry((id, [p.count, p.dp, p.tp, p.pp, p.microbatches]))
+                    .or_insert_with(|| estimate::call_memory(a, id, p))
+                    .clone()
+            })
+        };
         let heuristic = current.clone();
-        let heuristic_cost = priced(a, &heuristic, opts.fused_training);
         let n = a.cluster.devices();
         let sizes = mesh_sizes(n);
         // With fused training priced, a second chain searches as if nothing fused (exactly
@@ -81,22 +96,35 @@ impl Pass for Place {
             vec![false]
         };
         let mut chains: Vec<Chain> = Vec::new();
-        for &fused in &pricings {
-            chains.push(chain(a, &current, &free, &sizes, &mut |a, pl| {
-                priced(a, pl, fused)
-            }));
-        }
+        let heuristic_objective = {
+            let mut objective = |a: &Annotated, pl: &BTreeMap<NodeId, Placement>, fused: bool| {
+                let t = priced(a, pl, fused);
+                if holds(a, pl) {
+                    t
+                } else {
+                    t * OVERFLOW_PENALTY
+                }
+            };
+            for &fused in &pricings {
+                chains.push(chain(a, &current, &free, &sizes, &mut |a, pl| {
+                    objective(a, pl, fused)
+                }));
+            }
+            objective(a, &heuristic, opts.fused_training)
+        };
         let iterations = chains.iter().map(|c| c.iterations).sum();
         let accepted = chains.iter().map(|c| c.accepted).sum();
         let mut best = chains[0].best.clone();
-        let mut best_cost = chains[0].best_cost;
+        assert!(
+            chains[0].best_cost <= heuristic_objective,
+            "place: the searched plan ({} s) is worse than the heuristic ({heuristic_objective} s)",
+            chains[0].best_cost
+        );
         let alternative = chains.get(1).map(|c| c.best.clone());
         let mut cost =
             |a: &Annotated, pl: &BTreeMap<NodeId, Placement>| priced(a, pl, opts.fused_training);
-        assert!(
-            best_cost <= heuristic_cost,
-            "place: the searched plan ({best_cost} s) is worse than the heuristic ({heuristic_cost} s)"
-        );
+        let heuristic_cost = cost(a, &heuristic);
+        let mut best_cost = cost(a, &best);
         // `interleave` pins: each pinned pair of trains gets the best joint placement the
         // fused schedule can use (one mesh, one tp, one pipeline dividing the other), the rest
         // of the plan as searched.
@@ -207,15 +235,21 @@ impl Pass for Place {
         // the simulator either. Pinned calls keep their pins in every candidate.
         let mut candidates: Vec<(&str, BTreeMap<NodeId, Placement>)> =
             vec![("searched", best.clone())];
-        // A candidate that breaks an `interleave` pin the searched plan keeps is not one.
+        // A candidate that breaks an `interleave` pin the searched plan keeps is not one, nor
+        // one whose devices cannot hold it when the searched plan's can.
         let need_fusable = fusable(&best);
+        let need_hold = holds(a, &best);
         if let Some(alt) = alternative
             && alt != best
             && (!need_fusable || fusable(&alt))
+            && (!need_hold || holds(a, &alt))
         {
             candidates.push(("searched without fusion", alt));
         }
-        if heuristic != best && (!need_fusable || fusable(&heuristic)) {
+        if heuristic != best
+            && (!need_fusable || fusable(&heuristic))
+            && (!need_hold || holds(a, &heuristic))
+        {
             candidates.push(("heuristic", heuristic.clone()));
         }
         let mut per_model = estimate::per_model_placements(a);
@@ -228,6 +262,7 @@ impl Pass for Place {
             && per_model != heuristic
             && (!need_fusable || fusable(&per_model))
             && per_model.iter().all(|(id, p)| estimate::fits(a, *id, p))
+            && (!need_hold || holds(a, &per_model))
         {
             candidates.push(("per-model", per_model));
         }
