@@ -356,25 +356,39 @@ fn plan_files_show_as_planned_and_bad_ones_are_refused() {
 
 /// `braid sim study`: the ReaL figure's fixtures simulate; the measured speed-ups come from the
 /// manifest (ReaL 0.917 PFLOP/s over the heuristic's 0.684: 1.34×), the summary lines are
-/// printed, JSON carries the per-system results; a bad manifest names its file.
+/// printed — over all settings and over the held-out ones — JSON carries the per-system
+/// results; a bad manifest names its file.
 #[test]
 fn sim_study_sets_simulated_beside_measured_speed_ups() {
     let manifest = "tests/fixtures/real/study.json";
-    let only = "scale-actor 7B gen 128";
+    let only = "7B gen 128 on";
     let text = ok(&["sim", "study", manifest, "--only", only]);
-    assert!(text.contains("scale-actor 7B gen 128 on 8"), "{text}");
+    assert!(text.contains("scale-actor 7B gen 128 on 8 *"), "{text}");
+    assert!(text.contains("scale-both 7B gen 128 on 16 "), "{text}");
     assert!(text.contains("1.34x"), "{text}");
     for line in [
-        "over ReaL's heuristic: within a quarter of the measured in",
-        "over DeepSpeed-Chat: within a quarter of the measured in",
-        "never slower than the heuristic (1 settings)",
+        "compared with the simulated `real-symmetric`",
+        "all settings: speed-up of Braid's plan (no fusion) over ReaL's heuristic within a quarter of the measured in",
+        "held-out settings: speed-up of Braid's plan (no fusion) over ReaL's heuristic within a quarter of the measured in",
+        "all settings: speed-up over DeepSpeed-Chat within a quarter of the measured in",
+        "never slower than the simulated `real-symmetric` (3 settings)",
     ] {
         assert!(text.contains(line), "no {line:?}\n{text}");
     }
-    let json = ok(&["sim", "study", manifest, "--only", only, "--json"]);
+    let json = ok(&[
+        "sim",
+        "study",
+        manifest,
+        "--only",
+        "scale-actor 7B gen 128",
+        "--json",
+    ]);
     let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(v["heuristic"], "real-symmetric");
+    assert!(v["engine"]["host_decode"]["layer"].as_f64().unwrap() > 0.0);
     let row = &v["rows"][0];
-    assert_eq!(row["systems"].as_array().map(Vec::len), Some(5));
+    assert_eq!(row["calibration"], true);
+    assert_eq!(row["systems"].as_array().map(Vec::len), Some(6));
     let measured = row["over_heuristic"][1].as_f64().unwrap();
     assert!((measured - 0.917 / 0.684).abs() < 1e-9);
     // The implied measured iteration is the counted FLOPs over the measured throughput.
@@ -391,5 +405,32 @@ fn sim_study_sets_simulated_beside_measured_speed_ups() {
         err.contains("bad.json") && err.contains("not a study manifest"),
         "{err}"
     );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The study's committed compute efficiency is what `braid sim study --calibrate` fits on its
+/// calibration settings: a copy of the fixtures, calibrated afresh, gets the same figure, and
+/// every other field of the manifest is left as it was.
+#[test]
+fn the_study_engine_is_what_calibration_fits() {
+    let src = std::path::Path::new("tests/fixtures/real");
+    let dir = std::env::temp_dir().join(format!("braid-study-calibrate-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    for e in std::fs::read_dir(src).unwrap() {
+        let p = e.unwrap().path();
+        std::fs::copy(&p, dir.join(p.file_name().unwrap())).unwrap();
+    }
+    let manifest = dir.join("study.json");
+    let committed: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&manifest).unwrap()).unwrap();
+    let mut stale = committed.clone();
+    stale["engine"]["compute_efficiency"] = serde_json::json!(0.5);
+    std::fs::write(&manifest, serde_json::to_string_pretty(&stale).unwrap()).unwrap();
+    let out = ok(&["sim", "study", manifest.to_str().unwrap(), "--calibrate"]);
+    assert!(out.contains("compute efficiency"), "{out}");
+    let fitted: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&manifest).unwrap()).unwrap();
+    assert_eq!(fitted, committed, "{out}");
     let _ = std::fs::remove_dir_all(&dir);
 }
