@@ -339,22 +339,26 @@ pub fn call_memory(a: &Annotated, id: NodeId, p: &Placement) -> Option<MemoryNee
     Some(a.cost_of(slot).memory(shape, p.layout(), &use_))
 }
 
-/// Whether every device can hold what `placements` put on it at once: the state of each
-/// trained model with a call there (weights, gradients and optimizer state — the largest
-/// over its calls there, since parameters are reallocated between layouts, not copied) stays
-/// resident between calls, and the largest transient need of a call there comes on top (its
-/// activations or KV cache, and a frozen model's weights, which `reshard-insert` offloads
-/// between its calls when they crowd another call). `memory` gives a call's needs on a
-/// placement (a cache of [`call_memory`]). This is what `place` searches within; `braid
-/// plan`'s `E0504` for a device's residents is the same account once offloads are known.
-pub fn devices_hold(
+/// How far the device most over its memory is from holding what `placements` put on it at
+/// once, in bytes (0 when every device holds its share). A trained model keeps its gradients
+/// and optimizer state on its training devices between calls, and its weights wherever its
+/// calls put them (the largest share over its calls on a device: reshards move weights
+/// between layouts, they do not copy them); the largest transient need of a call on the
+/// device comes on top (its activations or KV cache, and a frozen model's weights, which
+/// `reshard-insert` offloads between its calls when they crowd another call). `memory` gives a
+/// call's needs on a placement (a cache of [`call_memory`]). This is what `place` searches
+/// within. `braid plan`'s `E0504` for a device's residents counts a trained model's
+/// weights, gradients and optimizer state as one, the largest over its calls, which a
+/// generation's weights can hide: this account is the stricter of the two.
+pub fn memory_overflow(
     a: &Annotated,
     placements: &BTreeMap<NodeId, Placement>,
     memory: &mut dyn FnMut(NodeId, &Placement) -> Option<MemoryNeeds>,
-) -> bool {
+) -> u64 {
     let usable = a.cost.device.usable_memory();
     let n = a.cluster.devices() as usize;
-    let mut resident: Vec<BTreeMap<u32, u64>> = vec![BTreeMap::new(); n];
+    // Per device and trained model: (largest weights, gradients + optimizer state).
+    let mut resident: Vec<BTreeMap<u32, (u64, u64)>> = vec![BTreeMap::new(); n];
     let mut transient = vec![0u64; n];
     for (&id, p) in placements {
         let (Some(m), Some(mem)) = (
@@ -363,25 +367,34 @@ pub fn devices_hold(
         ) else {
             continue;
         };
-        let state = mem.weights + mem.gradients + mem.optimizer;
-        let (keep, here) = if a.is_trained(m) {
-            (state, mem.activations + mem.kv_cache)
-        } else {
-            (0, state + mem.activations + mem.kv_cache)
-        };
+        let trained = a.is_trained(m);
+        let here = mem.activations
+            + mem.kv_cache
+            + if trained {
+                0
+            } else {
+                mem.weights + mem.gradients + mem.optimizer
+            };
         for d in p.devices() {
             let d = d as usize;
             if d >= n {
                 continue;
             }
-            if keep > 0 {
+            if trained {
                 let e = resident[d].entry(m).or_default();
-                *e = (*e).max(keep);
+                e.0 = e.0.max(mem.weights);
+                e.1 = e.1.max(mem.gradients + mem.optimizer);
             }
             transient[d] = transient[d].max(here);
         }
     }
-    (0..n).all(|d| resident[d].values().sum::<u64>() + transient[d] <= usable)
+    (0..n)
+        .map(|d| {
+            let held: u64 = resident[d].values().map(|(w, s)| w + s).sum();
+            (held + transient[d]).saturating_sub(usable)
+        })
+        .max()
+        .unwrap_or(0)
 }
 
 /// Whether a placement fits its devices' memory.

@@ -27,7 +27,8 @@ pub struct Place;
 /// Proposals per model call (the chain's length is this times the number of free calls).
 const ITERATIONS_PER_CALL: u64 = 600;
 
-/// How many times over the chain prices a plan whose devices cannot hold it at once.
+/// How heavily the chain prices a plan whose devices cannot hold it at once: its time is
+/// multiplied by `1 + OVERFLOW_PENALTY × (bytes over) / (usable bytes)`.
 const OVERFLOW_PENALTY: f64 = 1e3;
 
 impl Pass for Place {
@@ -72,12 +73,14 @@ impl Pass for Place {
             };
             estimate::iteration_time(a, pl, &deps, &mut times, o)
         };
-        // What every device holds at once (`estimate::devices_hold`): the chain prices a plan
-        // whose devices cannot hold it [`OVERFLOW_PENALTY`] times over, so it leaves such a plan
-        // for any that fits and still ranks plans that all overflow.
+        // What every device holds at once (`estimate::memory_overflow`): the chain prices a
+        // plan whose devices cannot hold it as if it took `1 + OVERFLOW_PENALTY × overflow /
+        // usable memory` times as long, so it leaves such a plan for any that fits, and moves
+        // towards plans that overflow less where all do.
         let mut memory_cache: BTreeMap<(NodeId, [u64; 5]), Option<MemoryNeeds>> = BTreeMap::new();
-        let mut holds = |a: &Annotated, pl: &BTreeMap<NodeId, Placement>| {
-            estimate::devices_hold(a, pl, &mut |id, p| {
+        let usable = a.cost.device.usable_memory().max(1) as f64;
+        let mut overflow = |a: &Annotated, pl: &BTreeMap<NodeId, Placement>| {
+            estimate::memory_overflow(a, pl, &mut |id, p| {
                 memory_cache
                     .entry((id, [p.count, p.dp, p.tp, p.pp, p.microbatches]))
                     .or_insert_with(|| estimate::call_memory(a, id, p))
@@ -96,17 +99,14 @@ impl Pass for Place {
             vec![false]
         };
         let mut chains: Vec<Chain> = Vec::new();
+        let scale = priced(a, &heuristic, opts.fused_training);
         let heuristic_objective = {
             let mut objective = |a: &Annotated, pl: &BTreeMap<NodeId, Placement>, fused: bool| {
                 let t = priced(a, pl, fused);
-                if holds(a, pl) {
-                    t
-                } else {
-                    t * OVERFLOW_PENALTY
-                }
+                t * (1.0 + OVERFLOW_PENALTY * overflow(a, pl) as f64 / usable)
             };
             for &fused in &pricings {
-                chains.push(chain(a, &current, &free, &sizes, &mut |a, pl| {
+                chains.push(chain(a, &current, &free, &sizes, scale, &mut |a, pl| {
                     objective(a, pl, fused)
                 }));
             }
@@ -238,17 +238,17 @@ impl Pass for Place {
         // A candidate that breaks an `interleave` pin the searched plan keeps is not one, nor
         // one whose devices cannot hold it when the searched plan's can.
         let need_fusable = fusable(&best);
-        let need_hold = holds(a, &best);
+        let need_hold = overflow(a, &best) == 0;
         if let Some(alt) = alternative
             && alt != best
             && (!need_fusable || fusable(&alt))
-            && (!need_hold || holds(a, &alt))
+            && (!need_hold || overflow(a, &alt) == 0)
         {
             candidates.push(("searched without fusion", alt));
         }
         if heuristic != best
             && (!need_fusable || fusable(&heuristic))
-            && (!need_hold || holds(a, &heuristic))
+            && (!need_hold || overflow(a, &heuristic) == 0)
         {
             candidates.push(("heuristic", heuristic.clone()));
         }
@@ -262,7 +262,7 @@ impl Pass for Place {
             && per_model != heuristic
             && (!need_fusable || fusable(&per_model))
             && per_model.iter().all(|(id, p)| estimate::fits(a, *id, p))
-            && (!need_hold || holds(a, &per_model))
+            && (!need_hold || overflow(a, &per_model) == 0)
         {
             candidates.push(("per-model", per_model));
         }
@@ -363,12 +363,15 @@ struct Chain {
 
 /// The Metropolis chain from `start` over the `free` calls: proposals on one call at a time (a
 /// mesh size and aligned position, one of its faster fitting layouts), accepted at a
-/// temperature cooling from 5 % to 0.01 % of the start's cost; the best state is returned.
+/// temperature cooling from 5 % to 0.01 % of `scale` (the start's time, without the memory
+/// penalty a start that overflows pays, so that the chain settles as finely either way); the
+/// best state is returned.
 fn chain(
     a: &Annotated,
     start: &BTreeMap<NodeId, Placement>,
     free: &[NodeId],
     sizes: &[u64],
+    scale: f64,
     cost: &mut dyn FnMut(&Annotated, &BTreeMap<NodeId, Placement>) -> f64,
 ) -> Chain {
     let n = a.cluster.devices();
@@ -381,8 +384,8 @@ fn chain(
     let mut cur_cost = start_cost;
     let iterations = ITERATIONS_PER_CALL * free.len() as u64;
     let mut accepted = 0;
-    let t0 = 0.05 * start_cost.max(1e-9);
-    let t1 = 1e-4 * start_cost.max(1e-9);
+    let t0 = 0.05 * scale.max(1e-9);
+    let t1 = 1e-4 * scale.max(1e-9);
     if free.is_empty() {
         return Chain {
             best,
