@@ -96,7 +96,16 @@ fn calibrate_here(args: &Args) -> Result<Option<String>, (String, u8)> {
     };
     let m = calibrate::measure(&options, group.as_ref()).map_err(|e| (e.to_string(), 1))?;
     let base = cluster.device.spec();
-    let spec = calibrate::fit(&base, &m).map_err(|e| (e.to_string(), 1))?;
+    let mut spec = calibrate::fit(&base, &m).map_err(|e| (e.to_string(), 1))?;
+    if device == braid_runtime::Device::Cpu {
+        // The host's cores (as this process may use them) shared by the ranks on it.
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let local = world.local_size.unwrap_or(world.size).max(1);
+        spec.host_cores = Some(braid_cost::cost::HostCores {
+            cores: (cores / local).max(1) as u32,
+            threads: args.threads.max(1) as u32,
+        });
+    }
     if let Some(g) = group {
         g.shutdown().map_err(|e| (e.to_string(), 1))?;
     }
@@ -152,6 +161,20 @@ fn calibrate_here(args: &Args) -> Result<Option<String>, (String, u8)> {
             world.size,
             d.intra_node_latency * 1e6,
             d.intra_node_bandwidth / 1e9
+        ));
+    }
+    if let Some(h) = d.host_cores {
+        s.push_str(&format!(
+            "\n  host: {} core{} per rank for {} compute thread{}: streamed inference {}",
+            h.cores,
+            if h.cores == 1 { "" } else { "s" },
+            h.threads,
+            if h.threads == 1 { "" } else { "s" },
+            if d.spare_core() {
+                "runs beside the generation on a core of its own"
+            } else {
+                "shares the generation's cores"
+            }
         ));
     }
     Ok(Some(s))

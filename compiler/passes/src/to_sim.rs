@@ -88,8 +88,9 @@ pub fn to_dag_with(
     let deps = estimate::call_deps(a);
     let devices = a.cluster.devices() as usize;
     let mut b = DagBuilder::new(devices);
-    // On a CPU the runtime generates on one thread and runs streamed inference on another.
-    b.threaded(a.cost.device.kind == crate::cost::DeviceKind::Cpu);
+    // On a CPU the runtime generates on one thread and runs streamed inference on another,
+    // beside it when the rank has a core to spare.
+    b.threaded(a.cost.device.spare_core());
     let mut task_of: BTreeMap<NodeId, TaskId> = BTreeMap::new();
     let order = g.topo_order().unwrap_or_else(|| g.node_ids());
     let transfers: Vec<NodeId> = g

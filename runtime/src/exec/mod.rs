@@ -546,6 +546,10 @@ impl<'p> Executor<'p> {
                 let t1 = t_step.elapsed().as_secs_f64();
                 *time.entry("infer").or_default() += t1 - t0;
                 rollout_done = rollout_done.max(t1);
+                // The wait for the other ranks' rows, on the timeline where it happens.
+                for &p in &pending {
+                    self.span(step, p, "gather", t0, t1);
+                }
             }
             if node.op.is_model_call() {
                 self.reloads_before(id)?;

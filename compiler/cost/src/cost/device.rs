@@ -121,6 +121,7 @@ fn gpu(kind: DeviceKind, flops: f64, hbm: f64, mem_gb: u64, nvlink: f64, net: f6
         overheads: Overheads::default(),
         matmul: Vec::new(),
         host_decode: None,
+        host_cores: None,
     }
 }
 
@@ -244,6 +245,31 @@ pub struct DeviceSpec {
     /// (`decode_layer_overhead` standing for the launch gaps of an engine with CUDA graphs).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub host_decode: Option<HostDecode>,
+    /// On a CPU host: the cores each rank's threads share and the compute threads a rank runs
+    /// (`braid calibrate` records both); `None`: a core for every thread the runtime starts.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_cores: Option<HostCores>,
+}
+
+/// The cores a CPU rank's threads share: its compute threads (libtorch's, per rank) and, beside
+/// them, the thread streamed inference runs on while the generation computes — which only gets a
+/// core of its own when the rank has more cores than compute threads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HostCores {
+    /// Cores per rank: the host's cores over the ranks on it.
+    pub cores: u32,
+    /// Compute threads per rank.
+    pub threads: u32,
+}
+
+impl DeviceSpec {
+    /// Whether a rank runs a second computation beside its first at full speed: a CPU rank with
+    /// a core to spare for it (every CPU without a recorded host), never a GPU (one stream of
+    /// kernels at a time, as the cost model prices it).
+    pub fn spare_core(&self) -> bool {
+        self.kind == DeviceKind::Cpu && self.host_cores.is_none_or(|h| h.cores > h.threads)
+    }
 }
 
 /// The host's seconds in a decode step of an engine whose steps are host-bound: each layer's
@@ -297,6 +323,7 @@ impl DeviceSpec {
             overheads: Overheads::default(),
             matmul: Vec::new(),
             host_decode: None,
+            host_cores: None,
         }
     }
 
@@ -497,6 +524,14 @@ impl DeviceSpec {
                     m.rows, m.width, m.flops
                 ));
             }
+        }
+        if let Some(h) = self.host_cores
+            && (h.cores == 0 || h.threads == 0)
+        {
+            return Err(format!(
+                "`device.host_cores` has {} cores and {} threads per rank; both must be at least 1",
+                h.cores, h.threads
+            ));
         }
         if self.memory <= self.reserved_memory {
             return Err(format!(

@@ -15,8 +15,8 @@ use std::fmt;
 use serde::{Deserialize, Serialize};
 
 pub use device::{
-    DeviceKind, DeviceProfile, DeviceSpec, HostDecode, MatmulRate, Overheads, PROFILE_FORMAT,
-    PROFILE_VERSION, measure_cpu_flops,
+    DeviceKind, DeviceProfile, DeviceSpec, HostCores, HostDecode, MatmulRate, Overheads,
+    PROFILE_FORMAT, PROFILE_VERSION, measure_cpu_flops,
 };
 pub use model::{BYTE_VOCAB, ModelShape};
 

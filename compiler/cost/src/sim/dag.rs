@@ -161,8 +161,9 @@ pub struct Dag {
     pub devices: usize,
     pub tasks: Vec<TaskSpec>,
     /// The devices are multi-core hosts (CPUs) on which the generation engine and the
-    /// inference it streams into run on threads of their own, as Braid's runtime runs them:
-    /// a streaming consumer's chunk may run on a device its producer holds.
+    /// inference it streams into run on threads of their own, as Braid's runtime runs them,
+    /// each on a core ([`crate::cost::DeviceSpec::spare_core`]): a streaming consumer's chunk
+    /// may run on a device its producer holds.
     pub threaded: bool,
 }
 
