@@ -5,10 +5,9 @@
 //! differs from the datasheet (`engine`: the compute efficiency its passes reach, the host's
 //! time in its decode steps when they are host-bound; set on the datasheet entry of every
 //! setting, calibrated on the settings the manifest marks `calibration`), which simulated
-//! system ran the measured heuristic, and, per setting,
-//! a program (relative to the manifest), the generated length (every answer that long, as the
-//! study fixes it) and the measured throughput of each system (`null` where the study reports
-//! it out of memory). Every system in a setting runs the same work, so a ratio of throughputs
+//! system ran the measured heuristic, and, per setting, a program (relative to the manifest),
+//! the generated length (every answer that long, as the study fixes it) and the measured
+//! throughput of each system (`null` where the study reports it out of memory). Every system in a setting runs the same work, so a ratio of throughputs
 //! is the inverse ratio of iteration times. The command prints, per setting, the simulated
 //! iteration of each system and the speed-ups of Braid's plan without fusion (the ReaL-style
 //! plan: searched placement and reallocation, no RLHFuse fusion) over the heuristic and over
@@ -47,7 +46,7 @@ pub struct StudyArgs {
     /// Fit the engine's compute efficiency on the settings marked `calibration` — the
     /// simulated heuristic's iteration against the measured one, least squares in the
     /// logarithm — and write it into the manifest's `engine`, instead of running the study.
-    #[arg(long)]
+    #[arg(long, conflicts_with_all = ["only", "json", "iterations"])]
     calibrate: bool,
 }
 

@@ -516,8 +516,8 @@ fn ratio(a: f64, b: f64) -> f64 {
 }
 
 /// The systems of a comparison, simulated: results in order (DeepSpeed-Chat, OpenRLHF, ReaL's
-/// heuristic, ReaL's symmetric plan, Braid without fusion, Braid; a baseline that cannot run is left out with a
-/// note), the notes, and Braid's plan and report.
+/// heuristic, ReaL's symmetric plan, Braid without fusion, Braid; a baseline that cannot run
+/// is left out with a note), the notes, and Braid's plan and report.
 pub struct Systems {
     pub results: Vec<SystemResult>,
     pub notes: Vec<String>,
@@ -528,8 +528,8 @@ pub struct Systems {
 }
 
 /// Plans `base` six ways and simulates each: DeepSpeed-Chat, OpenRLHF, ReaL's heuristic and
-/// ReaL's symmetric plan as [`crate::baselines`] models them, Braid without fusion (`sample-split` and
-/// `microbatch-interleave` disabled) and Braid.
+/// ReaL's symmetric plan as [`crate::baselines`] models them, Braid without fusion
+/// (`sample-split` and `microbatch-interleave` disabled) and Braid.
 pub fn systems(
     base: &Annotated,
     disabled: &[String],
@@ -594,16 +594,7 @@ pub fn systems(
     // on all devices; parameters reallocated between calls by reshards.
     let (real, real_name) = match baselines::real_heuristic_placements(base) {
         Ok(p) => (
-            baseline(
-                p,
-                base.engine_max_batch,
-                &[
-                    "place",
-                    "sample-split",
-                    "microbatch-interleave",
-                    "speculate",
-                ],
-            )?,
+            baseline(p, base.engine_max_batch, &REALLOCATING_BASELINE)?,
             "real-heuristic (ReaL's allocation for PPO)".to_string(),
         ),
         Err(e) => {
@@ -611,12 +602,7 @@ pub fn systems(
                 "real-heuristic: {e}; every call on all devices with its fastest layout instead"
             ));
             (
-                plan_with(&[
-                    "place",
-                    "sample-split",
-                    "microbatch-interleave",
-                    "speculate",
-                ])?,
+                plan_with(&REALLOCATING_BASELINE)?,
                 "real-heuristic (layout per call on all devices)".to_string(),
             )
         }
@@ -652,6 +638,15 @@ pub fn systems(
     })
 }
 
+/// The passes a ReaL baseline runs on its own placements: only `reshard-insert`, since ReaL
+/// reallocates parameters between its calls' layouts.
+const REALLOCATING_BASELINE: [&str; 4] = [
+    "place",
+    "sample-split",
+    "microbatch-interleave",
+    "speculate",
+];
+
 /// ReaL's symmetric plan ([`baselines::real_symmetric_placements`]) simulated on `base`
 /// without fusion, parameters moved by reshards where layouts differ (they do not); the inner
 /// error says why the plan does not apply to the program.
@@ -665,15 +660,10 @@ pub fn simulate_real_symmetric(
     };
     let mut x = base.clone();
     x.decisions.placements = placements;
-    let off: Vec<String> = [
-        "place",
-        "sample-split",
-        "microbatch-interleave",
-        "speculate",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
+    let off: Vec<String> = REALLOCATING_BASELINE
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
     PassManager::new().disable(&off)?.run(&mut x, |_, _| {})?;
     simulate_plan(&x, false, opts)
         .map(Ok)

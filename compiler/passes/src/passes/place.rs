@@ -123,7 +123,7 @@ impl Pass for Place {
         let alternative = chains.get(1).map(|c| c.best.clone());
         let mut cost =
             |a: &Annotated, pl: &BTreeMap<NodeId, Placement>| priced(a, pl, opts.fused_training);
-        let heuristic_cost = cost(a, &heuristic);
+        let heuristic_cost = scale;
         let mut best_cost = cost(a, &best);
         // `interleave` pins: each pinned pair of trains gets the best joint placement the
         // fused schedule can use (one mesh, one tp, one pipeline dividing the other), the rest
