@@ -108,19 +108,25 @@ impl Ranks {
     }
 
     /// Waits until each of `ranks` has printed a line starting with its `prefixes` entry, and
-    /// returns when the last one was seen; a rank that exits first fails the test.
+    /// returns when each was first seen (in the order of `ranks`); a rank that exits first
+    /// fails the test.
     pub fn wait_printed(
         &mut self,
         ranks: &[usize],
         prefixes: &[String],
         within: Duration,
-    ) -> Instant {
+    ) -> Vec<Instant> {
         let deadline = Instant::now() + within;
         let printed = |out: &str, prefix: &str| out.lines().any(|l| l.starts_with(prefix));
+        let mut seen: Vec<Option<Instant>> = vec![None; ranks.len()];
         loop {
             let mut all = true;
-            for (&rank, prefix) in ranks.iter().zip(prefixes) {
+            for (k, (&rank, prefix)) in ranks.iter().zip(prefixes).enumerate() {
+                if seen[k].is_some() {
+                    continue;
+                }
                 if printed(&self.output(rank), prefix) {
+                    seen[k] = Some(Instant::now());
                     continue;
                 }
                 all = false;
@@ -135,7 +141,7 @@ impl Ranks {
                 }
             }
             if all {
-                return Instant::now();
+                return seen.into_iter().flatten().collect();
             }
             assert!(
                 Instant::now() < deadline,
