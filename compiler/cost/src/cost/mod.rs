@@ -250,18 +250,37 @@ impl CostModel {
         batch: u64,
         prompt_len: u64,
     ) -> f64 {
+        self.pipelined(
+            layout,
+            batch,
+            |b| self.prefill_time(model, layout, b, prompt_len),
+            |m, pp| m + pp - 1,
+        )
+    }
+
+    /// A pass of `batch` sequences through a pipelined instance that splits them into
+    /// `m = min(pp, batch)` micro-batches: `steps(m, pp)` schedule steps, each a stage's share of
+    /// `pass` over one micro-batch (`pass(b)` crosses every stage with `b` sequences) and, on a
+    /// host-bound engine, the hand-over between stages. Without stages, `pass(batch)`.
+    fn pipelined(
+        &self,
+        layout: Layout,
+        batch: u64,
+        pass: impl Fn(u64) -> f64,
+        steps: fn(u64, u64) -> u64,
+    ) -> f64 {
         let pp = layout.pp.max(1);
         if pp == 1 || batch == 0 {
-            return self.prefill_time(model, layout, batch, prompt_len);
+            return pass(batch);
         }
         let m = pp.min(batch);
-        let stage = self.prefill_time(model, layout, batch.div_ceil(m), prompt_len) / pp as f64;
+        let stage = pass(batch.div_ceil(m)) / pp as f64;
         let hand_over = self
             .device
             .host_decode
             .as_ref()
             .map_or(0.0, |h| h.schedule_step);
-        (m + pp - 1) as f64 * (stage + hand_over)
+        steps(m, pp) as f64 * (stage + hand_over)
     }
 
     /// One decode step for `batch` live sequences with `context` tokens each: memory-bound at
@@ -312,18 +331,12 @@ impl CostModel {
         batch: u64,
         context: u64,
     ) -> f64 {
-        let pp = layout.pp.max(1);
-        if pp == 1 || batch == 0 {
-            return self.decode_step_time(model, layout, batch, context);
-        }
-        let m = pp.min(batch);
-        let stage = self.decode_step_time(model, layout, batch.div_ceil(m), context) / pp as f64;
-        let hand_over = self
-            .device
-            .host_decode
-            .as_ref()
-            .map_or(0.0, |h| h.schedule_step);
-        m.max(pp) as f64 * (stage + hand_over)
+        self.pipelined(
+            layout,
+            batch,
+            |b| self.decode_step_time(model, layout, b, context),
+            |m, pp| m.max(pp),
+        )
     }
 
     /// Forward (inference, e.g. log-probs or values) of `seqs` sequences of `seq_len` tokens on
