@@ -473,10 +473,14 @@ impl<'p> Executor<'p> {
         ids: &[NodeId],
         ungathered: &mut BTreeMap<NodeId, (Op, Vec<Option<PerSampleOut>>)>,
         vals: &mut BTreeMap<NodeId, Val>,
+        (step, t_step): (i64, Instant),
     ) -> Result<()> {
         for id in ids {
             if let Some((op, rows)) = ungathered.remove(id) {
+                // The wait for the other ranks' rows, on the timeline where it happens.
+                let t0 = t_step.elapsed().as_secs_f64();
                 let v = self.gather_value(*id, &op, rows)?;
+                self.span(step, *id, "gather", t0, t_step.elapsed().as_secs_f64());
                 vals.insert(*id, v);
             }
         }
@@ -542,14 +546,10 @@ impl<'p> Executor<'p> {
                 .collect();
             if !pending.is_empty() {
                 let t0 = t_step.elapsed().as_secs_f64();
-                self.gather_pending(&pending, &mut ungathered, &mut vals)?;
+                self.gather_pending(&pending, &mut ungathered, &mut vals, (step, t_step))?;
                 let t1 = t_step.elapsed().as_secs_f64();
                 *time.entry("infer").or_default() += t1 - t0;
                 rollout_done = rollout_done.max(t1);
-                // The wait for the other ranks' rows, on the timeline where it happens.
-                for &p in &pending {
-                    self.span(step, p, "gather", t0, t1);
-                }
             }
             if node.op.is_model_call() {
                 self.reloads_before(id)?;
@@ -854,7 +854,7 @@ impl<'p> Executor<'p> {
         }
         // The results no node of the step read (the metrics below may).
         let rest: Vec<NodeId> = ungathered.keys().copied().collect();
-        self.gather_pending(&rest, &mut ungathered, &mut vals)?;
+        self.gather_pending(&rest, &mut ungathered, &mut vals, (step, t_step))?;
         // The transfers into the next iteration's calls, in the order of their calls.
         for id in at_end {
             self.run_transfers(id, step, t_step)?;
