@@ -44,6 +44,8 @@ pub struct AgainstSim {
     pub unfused: Option<RunAgainstSim>,
     /// Unfused over fused iteration time: measured and predicted.
     pub streaming_gain: Option<(f64, f64)>,
+    /// The simulated iteration of the run's plan, and its device count (for `--trace`).
+    pub simulated: (braid_cost::sim::SimReport, usize),
 }
 
 type Fail = (String, u8);
@@ -51,7 +53,7 @@ type Fail = (String, u8);
 fn one_run(
     dir: &Path,
     profile: Option<&braid_cost::cost::DeviceSpec>,
-) -> Result<(RunAgainstSim, String), Fail> {
+) -> Result<(RunAgainstSim, String, braid_cost::sim::SimReport, usize), Fail> {
     let (_, rows) = crate::report::read_metrics(dir)?;
     let plan_path = dir.join("plan.json");
     let text = std::fs::read_to_string(&plan_path)
@@ -158,6 +160,8 @@ fn one_run(
             predicted,
         },
         device,
+        r,
+        plan.cluster.devices() as usize,
     ))
 }
 
@@ -170,7 +174,7 @@ pub fn against_sim(
         Some(p) => Some(crate::plan::profile(p).map_err(|e| (e, 2))?),
         None => None,
     };
-    let (run, device) = one_run(run_dir, profile.as_ref())?;
+    let (run, device, report, devices) = one_run(run_dir, profile.as_ref())?;
     let unfused = match unfused {
         Some(d) => Some(one_run(d, profile.as_ref())?.0),
         None => None,
@@ -186,6 +190,7 @@ pub fn against_sim(
         run,
         unfused,
         streaming_gain,
+        simulated: (report, devices),
     })
 }
 

@@ -30,6 +30,10 @@ pub struct Args {
     /// With --against-sim: print JSON.
     #[arg(long, requires = "against_sim")]
     json: bool,
+    /// With --against-sim: write the simulated iteration of the run's plan as Chrome-trace
+    /// JSON, to set beside the measured `RUN_DIR/timeline.json` in Perfetto.
+    #[arg(long, value_name = "FILE.json", requires = "against_sim")]
+    trace: Option<PathBuf>,
 }
 
 pub fn run(args: Args) -> ExitCode {
@@ -40,6 +44,14 @@ pub fn run(args: Args) -> ExitCode {
             args.unfused.as_deref(),
         ) {
             Ok(c) => {
+                if let Some(path) = &args.trace {
+                    let (report, devices) = &c.simulated;
+                    let text = braid_cost::sim::to_chrome_trace(report, *devices);
+                    if let Err(e) = std::fs::write(path, text) {
+                        eprintln!("error: {}: cannot write: {e}", path.display());
+                        return ExitCode::from(2);
+                    }
+                }
                 if args.json {
                     println!(
                         "{}",

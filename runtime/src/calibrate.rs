@@ -26,11 +26,13 @@ use braid_cost::cost::{
 use tch::{Device, Kind, Tensor};
 
 use crate::dist::{ProcessGroup, ReduceOp};
+use crate::exec::train::train_forward;
 use crate::generation::engine::{EngineOptions, generate};
 use crate::generation::sampling::SamplingParams;
 use crate::models::model::{Head, Model};
 use crate::models::tiny::{TinyConfig, tiny_in};
-use crate::training::infer::{InferOptions, Rollout, logprobs, pad_batch};
+use crate::training::infer::{InferOptions, Rollout, logprobs};
+use crate::training::objective;
 use crate::training::optim::AdamW;
 use crate::{Error, Result};
 
@@ -53,8 +55,8 @@ const NEW_LONG: usize = 40;
 /// Inference and training measurements: sequences per pass and their lengths (two, so that
 /// the attention scores' term, which grows with the square of the length, separates from the
 /// per-token terms).
-pub const PASS_SEQS: [u64; 2] = [2, 16];
-pub const PASS_LENS: [usize; 2] = [48, 144];
+pub const PASS_SEQS: [u64; 3] = [1, 4, 16];
+pub const PASS_LENS: [usize; 3] = [16, 48, 144];
 /// All-reduce sizes in bytes.
 pub const COLLECTIVE_BYTES: [u64; 5] = [4, 4 << 10, 64 << 10, 1 << 20, 4 << 20];
 
@@ -349,24 +351,71 @@ fn measure_pass(
     out.forward.push(point(time(options.min_seconds, || {
         logprobs(model, &seqs, &infer).map(|_| ())
     })?));
-    // Training: the forward with gradients, the completion tokens' mean log-probability as the
-    // loss, its backward.
+    // Training: a micro-batch as the runtime's `train` runs it — the forward with gradients
+    // and the completion tokens' log-probabilities and entropy (`train_forward`), PPO's
+    // clipped objective evaluated on them (`objective::evaluate`), the loss and entropy read
+    // back for the step's metrics, and the backward.
     let refs: Vec<&Rollout> = seqs.iter().collect();
-    let (ids, mask) = pad_batch(&refs, 0, options.device);
+    let lens: Vec<usize> = seqs.iter().map(|r| r.completion.len()).collect();
+    let groups: Vec<usize> = (0..seqs.len()).collect();
+    let layout = objective::Layout::new(&lens, &groups, &lens, &groups);
+    let tokens: usize = lens.iter().sum();
+    let ppo = ppo_objective()?;
+    let inputs = [
+        Tensor::zeros([tokens as i64], (Kind::Float, options.device)),
+        Tensor::ones([seqs.len() as i64], (Kind::Float, options.device)),
+    ];
     let secs = tch::with_grad(|| {
         time(options.min_seconds, || {
-            let logits = model.forward(&ids, Some(&mask))?;
-            let lp =
-                logits
-                    .log_softmax(-1, Kind::Float)
-                    .narrow(1, (len / 2) as i64, (len / 2) as i64);
-            let loss = -lp.mean(Kind::Float);
-            loss.backward();
+            let out = train_forward(model, &refs, 1.0, Head::Lm, false)?;
+            let ev = objective::evaluate(
+                &ppo,
+                &inputs,
+                &objective::Outputs {
+                    logp: out.logp.as_ref(),
+                    entropy: out.entropy.as_ref(),
+                    value: None,
+                },
+                &layout,
+            )?;
+            let _loss = ev.loss.double_value(&[]);
+            if let Some(e) = &out.entropy {
+                let _entropy = e.detach().sum(Kind::Float).double_value(&[]);
+            }
+            ev.loss.backward();
             Ok(())
         })
     })?;
     out.train_microbatch.push(point(secs));
     Ok(())
+}
+
+/// PPO's clipped surrogate (clip 0.2) with its clip fraction, as `std::ppo`'s `ppo_loss`
+/// lowers: the objective the calibration's training micro-batches evaluate.
+fn ppo_objective() -> Result<braid_ir::loss::Objective> {
+    use braid_ir::loss::{BinOp, InputKind, ModelOutput, ObjectiveBuilder, UnOp};
+    let mut b = ObjectiveBuilder::new("ppo_loss");
+    let old = b.input(InputKind::PerToken);
+    let adv = b.input(InputKind::PerSample);
+    let logp = b.model(ModelOutput::Logp);
+    let d = b.binary(BinOp::Sub, logp, old);
+    let ratio = b.unary(UnOp::Exp, d);
+    let (lo, hi) = (b.float(0.8), b.float(1.2));
+    let a1 = b.binary(BinOp::Mul, adv, ratio);
+    let pg1 = b.unary(UnOp::Neg, a1);
+    let c = b.clamp(ratio, lo, hi);
+    let a2 = b.binary(BinOp::Mul, adv, c);
+    let pg2 = b.unary(UnOp::Neg, a2);
+    let pg = b.binary(BinOp::Max, pg1, pg2);
+    let one = b.float(1.0);
+    let dev = b.binary(BinOp::Sub, ratio, one);
+    let dev = b.unary(UnOp::Abs, dev);
+    let clip = b.float(0.2);
+    let clipped = b.binary(BinOp::Gt, dev, clip);
+    b.metric("clip_frac", clipped);
+    let loss = b.batch_sum(pg);
+    b.finish(loss)
+        .map_err(|e| Error::invalid("calibrate", format!("the PPO objective: {e}")))
 }
 
 fn optimizer_config() -> braid_ir::graph::Optimizer {
@@ -574,6 +623,16 @@ pub fn fit(base: &DeviceSpec, m: &Measurements) -> Result<DeviceSpec> {
     }
     let one = Layout::SINGLE;
     let shape = |q: &PassPoint| tiny_shape(q.hidden, q.layers);
+    // Every timing weighs by its own length: the fit minimises the relative error, so that a
+    // pass of one short sequence (the tiny examples' inference micro-batches) is priced as
+    // closely as one of sixteen long ones, whose milliseconds would otherwise outweigh it.
+    let relative = |features: Vec<f64>, left: f64, secs: f64| {
+        let w = 1.0 / secs.max(1e-9);
+        (
+            features.into_iter().map(|x| x * w).collect::<Vec<f64>>(),
+            left * w,
+        )
+    };
     let fitted = |rows: Vec<(Vec<f64>, f64)>, what: &str| -> Result<Vec<f64>> {
         non_negative_least_squares(&rows)
             .ok_or_else(|| Error::invalid("calibrate", format!("the {what} timings do not fit")))
@@ -583,7 +642,7 @@ pub fn fit(base: &DeviceSpec, m: &Measurements) -> Result<DeviceSpec> {
     for q in &p.decode_step {
         let roof = cost.decode_step_time(&shape(q)?, one, q.rows, context);
         let (l, b, h) = (q.layers as f64, q.rows as f64, q.hidden as f64);
-        rows.push((vec![1.0, l, b, l * b * h], q.secs - roof));
+        rows.push(relative(vec![1.0, l, b, l * b * h], q.secs - roof, q.secs));
     }
     let c = fitted(rows, "decode")?;
     d.decode_layer_overhead = c[1];
@@ -601,7 +660,11 @@ pub fn fit(base: &DeviceSpec, m: &Measurements) -> Result<DeviceSpec> {
     for q in &p.forward {
         let roof = cost.forward_time(&shape(q)?, one, q.rows, q.len);
         let (l, t, h, s) = (q.layers as f64, tokens(q), q.hidden as f64, scores(q)?);
-        rows.push((vec![1.0, l, t, l * t * h, l * s], q.secs - roof));
+        rows.push(relative(
+            vec![1.0, l, t, l * t * h, l * s],
+            q.secs - roof,
+            q.secs,
+        ));
     }
     let c = fitted(rows, "forward")?;
     (
@@ -627,7 +690,11 @@ pub fn fit(base: &DeviceSpec, m: &Measurements) -> Result<DeviceSpec> {
         let t = cost.train_step_time(&shape(q)?, one, q.rows, q.len, 1, false);
         let (l, tok, h, s) = (q.layers as f64, tokens(q), q.hidden as f64, scores(q)?);
         let left = q.secs - t.forward - t.backward - o.forward_terms(l, tok, h, s);
-        rows.push((vec![1.0, l, tok, l * tok * h, l * s], left));
+        rows.push(relative(
+            vec![1.0, l, tok, l * tok * h, l * s],
+            left,
+            q.secs,
+        ));
     }
     let c = fitted(rows, "training")?;
     (
@@ -640,7 +707,11 @@ pub fn fit(base: &DeviceSpec, m: &Measurements) -> Result<DeviceSpec> {
     let mut rows = Vec::new();
     for q in &p.optimizer {
         let t = cost.train_step_time(&shape(q)?, one, 1, PASS_LENS[0] as u64, 1, false);
-        rows.push((vec![1.0, q.layers as f64], q.secs - t.optimizer));
+        rows.push(relative(
+            vec![1.0, q.layers as f64],
+            q.secs - t.optimizer,
+            q.secs,
+        ));
     }
     let c = fitted(rows, "optimizer")?;
     (o.train_step, o.optimizer_layer) = (c[0], c[1]);

@@ -73,15 +73,84 @@ pub struct Extra {
 /// The simulator DAG of a plan. With `fusion`, consumers that `sample-split` cut per sample
 /// stream from their generation (on the devices it assigned them), generations migrate their
 /// long tail, and interleaved trainings run as one fused task.
+///
+/// Braid's runtime on several processes also exchanges every generation's rollout and every
+/// inference call's rows among all ranks (all-gathers over the world group, which every rank
+/// joins): on a CPU these are tasks of stage `gather` on all devices, which the calls' readers
+/// wait for ([`crate::cost::CostModel::host_allgather_time`]; when they happen: [`build_dag`]).
 pub fn to_dag(a: &Annotated, fusion: bool) -> Result<(Dag, BTreeMap<NodeId, TaskId>), String> {
-    to_dag_with(a, fusion, &[])
+    build_dag(a, fusion, &[], true)
 }
 
-/// [`to_dag`] with a baseline's `extras` around its calls.
+/// [`to_dag`] of a baseline system, with its `extras` around its calls and without Braid's
+/// runtime's gathers (a baseline moves its data its own way).
 pub fn to_dag_with(
     a: &Annotated,
     fusion: bool,
     extras: &[Extra],
+) -> Result<(Dag, BTreeMap<NodeId, TaskId>), String> {
+    build_dag(a, fusion, extras, false)
+}
+
+/// Bytes an all-gather of call `op`'s results moves in all: a rollout's token ids (8 bytes
+/// each, prompt and completion), per-token rows of 4-byte floats, or one per sample.
+fn gathered_bytes(op: &Op, size: &estimate::CallSize) -> Option<f64> {
+    let samples = size.samples as f64;
+    let completion = size.mean_seq.saturating_sub(size.prompt_len) as f64;
+    match op {
+        Op::Generate { .. } => Some(samples * size.mean_seq as f64 * 8.0),
+        Op::Logprobs { .. } | Op::Values { .. } => Some(samples * completion * 4.0),
+        Op::Score { .. } => Some(samples * 4.0),
+        _ => None,
+    }
+}
+
+/// A call whose results are not exchanged among the ranks yet (see [`build_dag`]).
+#[derive(Clone, Copy, Debug)]
+struct Unexchanged {
+    task: TaskId,
+    bytes: f64,
+    /// The generation whose exchange it travels in (itself for a generation), or `None` for
+    /// an inference call gathered where it is first read.
+    generation: Option<NodeId>,
+}
+
+type Ungathered = BTreeMap<NodeId, Unexchanged>;
+
+/// The exchanges that reading `deps` waits for, in the runtime's order: each generation's
+/// (the rollout and the calls streamed under it, exchanged as the generation ends), then one
+/// of the inference calls read.
+fn exchanges_for(ungathered: &Ungathered, deps: &[NodeId]) -> Vec<Vec<NodeId>> {
+    let mut generations: Vec<NodeId> = Vec::new();
+    let mut calls: Vec<NodeId> = Vec::new();
+    for d in deps {
+        match ungathered.get(d).map(|u| u.generation) {
+            Some(Some(g)) if !generations.contains(&g) => generations.push(g),
+            Some(None) => calls.push(*d),
+            _ => {}
+        }
+    }
+    let mut out: Vec<Vec<NodeId>> = generations
+        .iter()
+        .map(|g| {
+            ungathered
+                .iter()
+                .filter(|(_, u)| u.generation == Some(*g))
+                .map(|(id, _)| *id)
+                .collect()
+        })
+        .collect();
+    if !calls.is_empty() {
+        out.push(calls);
+    }
+    out
+}
+
+fn build_dag(
+    a: &Annotated,
+    fusion: bool,
+    extras: &[Extra],
+    runtime_gathers: bool,
 ) -> Result<(Dag, BTreeMap<NodeId, TaskId>), String> {
     let g = &a.plan.graph;
     let placements = estimate::placements(a);
@@ -92,6 +161,44 @@ pub fn to_dag_with(
     // beside it when the rank has a core to spare.
     b.threaded(a.cost.device.spare_core());
     let mut task_of: BTreeMap<NodeId, TaskId> = BTreeMap::new();
+    // What a call's consumers wait for, where that is not the call's own task: its gather.
+    let mut ready_of: BTreeMap<NodeId, TaskId> = BTreeMap::new();
+    // Calls whose results are not exchanged among the ranks yet. The runtime exchanges a
+    // rollout and the results streamed under its generation together as the generation ends,
+    // and gathers an inference call's rows where they are first read (so that calls on
+    // disjoint devices run side by side), those of all the calls a node reads in one
+    // exchange; what no call read is exchanged at the end of the iteration.
+    let mut ungathered: Ungathered = BTreeMap::new();
+    let exchanges = runtime_gathers && a.cost.host_allgather_time(0.0, devices as u64).is_some();
+    let all_devices: Vec<usize> = (0..devices).collect();
+    let cost = &a.cost;
+    // One exchange of the calls `ids` (whose tasks it follows): a task on every device.
+    let exchange = |b: &mut DagBuilder,
+                    ungathered: &mut Ungathered,
+                    ready_of: &mut BTreeMap<NodeId, TaskId>,
+                    ids: &[NodeId]| {
+        let parts: Vec<(NodeId, TaskId, f64)> = ids
+            .iter()
+            .filter_map(|id| ungathered.remove(id).map(|u| (*id, u.task, u.bytes)))
+            .collect();
+        let Some(&(first, _, _)) = parts.first() else {
+            return;
+        };
+        let bytes: f64 = parts.iter().map(|p| p.2).sum();
+        let secs = cost
+            .host_allgather_time(bytes, all_devices.len() as u64)
+            .unwrap_or(0.0);
+        let t = b.task(
+            &format!("{first} gather"),
+            "gather",
+            all_devices.clone(),
+            Work::Fixed { seconds: secs },
+        );
+        for (id, call, _) in parts {
+            b.after(t, call);
+            ready_of.insert(id, t);
+        }
+    };
     let order = g.topo_order().unwrap_or_else(|| g.node_ids());
     let transfers: Vec<NodeId> = g
         .node_ids()
@@ -279,6 +386,14 @@ pub fn to_dag_with(
         }
         devs.sort_unstable();
         devs.dedup();
+        let reads: Vec<NodeId> = my_deps
+            .iter()
+            .copied()
+            .filter(|d| Some(*d) != stream_from)
+            .collect();
+        for ids in exchanges_for(&ungathered, &reads) {
+            exchange(&mut b, &mut ungathered, &mut ready_of, &ids);
+        }
         let label = if fused.contains_key(&id) {
             let partner = fused.get(&id).map(|x| a.call_name(x.0)).unwrap_or_default();
             format!("{name} + {partner} (fused)")
@@ -294,7 +409,7 @@ pub fn to_dag_with(
                 Work::Fixed { seconds: x.seconds },
             );
             for d in &my_deps {
-                if let Some(dt) = task_of.get(d) {
+                if let Some(dt) = ready_of.get(d).or_else(|| task_of.get(d)) {
                     b.after(t, *dt);
                 }
             }
@@ -316,7 +431,7 @@ pub fn to_dag_with(
             if Some(d) == stream_from {
                 continue;
             }
-            if let Some(t) = task_of.get(&d) {
+            if let Some(t) = ready_of.get(&d).or_else(|| task_of.get(&d)) {
                 b.after(task, *t);
             }
         }
@@ -329,6 +444,24 @@ pub fn to_dag_with(
             b.stream(task, *t);
         }
         task_of.insert(id, task);
+        let reused = a.decisions.reused_logprobs.contains_key(&id);
+        if exchanges
+            && !reused
+            && let Some(bytes) = gathered_bytes(&node.op, &size)
+        {
+            let generation = match node.op {
+                Op::Generate { .. } => Some(id),
+                _ => stream_from,
+            };
+            ungathered.insert(
+                id,
+                Unexchanged {
+                    task,
+                    bytes,
+                    generation,
+                },
+            );
+        }
         for x in extras.iter().filter(|x| x.call == id && x.after) {
             let t = b.task(
                 &format!("{id} {}", x.label),
@@ -354,6 +487,10 @@ pub fn to_dag_with(
                 task_of.insert(t, ot);
             }
         }
+    }
+    let rest: Vec<NodeId> = ungathered.keys().copied().collect();
+    for ids in exchanges_for(&ungathered, &rest) {
+        exchange(&mut b, &mut ungathered, &mut ready_of, &ids);
     }
     for (t, after) in pending_after {
         let (Some(tn), Some(&at)) = (g.node(t), task_of.get(&after)) else {
@@ -425,7 +562,7 @@ pub fn summarise(system: &str, r: &SimReport) -> SystemResult {
         let end = it
             .stages
             .iter()
-            .filter(|s| s.stage == "generate" || s.stage == "inference")
+            .filter(|s| s.stage == "generate" || s.stage == "inference" || s.stage == "gather")
             .map(|s| s.end)
             .fold(it.start, f64::max);
         gi += end - it.start;

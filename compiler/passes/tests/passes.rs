@@ -660,3 +660,86 @@ fn the_comparison_names_every_baseline_or_says_why_not() {
         s.notes
     );
 }
+
+/// On several CPU ranks the simulated iteration holds the runtime's exchanges among all ranks:
+/// one as the generation ends (the rollout and the results streamed under it), and one where
+/// the other inference calls' rows are first read; every call that reads them waits for it.
+/// On GPUs (whose collective figures are not the hosts' Gloo ones) there are none.
+#[test]
+fn cpu_ranks_exchange_the_rollout_and_the_rows_as_the_runtime_does() {
+    let plan = example("ppo_tiny");
+    for (fusion, cluster) in [(true, "1x2xcpu"), (false, "1x2xcpu"), (true, "1x2xH100")] {
+        let a = planned(plan.clone(), cluster, Pins::default());
+        let (dag, tasks) = braid_passes::to_sim::to_dag(&a, fusion).unwrap();
+        let gathers: Vec<usize> = (0..dag.tasks.len())
+            .filter(|&t| dag.tasks[t].stage == "gather")
+            .collect();
+        if cluster.ends_with("H100") {
+            assert!(gathers.is_empty(), "{cluster}: {gathers:?}");
+            continue;
+        }
+        assert!(
+            !gathers.is_empty(),
+            "{cluster} fusion {fusion}: no exchange"
+        );
+        for &t in &gathers {
+            assert_eq!(
+                dag.tasks[t].devices.len(),
+                2,
+                "an exchange holds every rank"
+            );
+        }
+        let generation = a
+            .calls()
+            .into_iter()
+            .find(|i| a.call_name(*i) == "generate(policy)")
+            .unwrap();
+        // The generation's exchange follows the generation and every call streamed under it.
+        let after_gen: Vec<usize> = gathers
+            .iter()
+            .copied()
+            .filter(|&t| dag.tasks[t].deps.contains(&tasks[&generation]))
+            .collect();
+        assert_eq!(after_gen.len(), 1, "one exchange as the generation ends");
+        let streamed: Vec<_> = a
+            .decisions
+            .streams
+            .iter()
+            .filter(|(id, s)| {
+                fusion
+                    && s.cut == Cut::Sample
+                    && s.generate == generation
+                    && a.plan
+                        .graph
+                        .node(**id)
+                        .is_some_and(|n| n.op.is_model_call())
+            })
+            .map(|(id, _)| *id)
+            .collect();
+        assert_eq!(
+            fusion,
+            !streamed.is_empty(),
+            "{cluster}: streamed {streamed:?}"
+        );
+        for c in &streamed {
+            assert!(
+                dag.tasks[after_gen[0]].deps.contains(&tasks[c]),
+                "{}: its rows travel with the rollout",
+                a.call_name(*c)
+            );
+        }
+        // A training reads every inference call: it waits for an exchange, never for a call
+        // directly (its rows are on other ranks too).
+        let train = a
+            .calls()
+            .into_iter()
+            .find(|i| a.call_name(*i) == "train(policy)")
+            .unwrap();
+        let deps = &dag.tasks[tasks[&train].0].deps;
+        assert!(deps.iter().any(|d| dag.tasks[d.0].stage == "gather"));
+        assert!(
+            !deps.iter().any(|d| dag.tasks[d.0].stage == "inference"),
+            "{cluster} fusion {fusion}: the training waits for a call's own task"
+        );
+    }
+}

@@ -17,7 +17,7 @@ impl<'p> Executor<'p> {
     /// sequences as planned: each data-parallel replica of its mesh on its block of the
     /// sequences, in the plan's micro-batches. On one process that is the call's value; on
     /// several, this rank's rows, which every rank gathers when a later node first reads them
-    /// ([`Executor::gather_value`]) — so that calls placed on disjoint ranks run at the same
+    /// (`Executor::gather_pending`, all the calls it reads in one exchange) — so that calls placed on disjoint ranks run at the same
     /// time, as the plan has them, instead of each waiting for the other's results.
     pub(super) fn infer_call(
         &mut self,
@@ -128,21 +128,6 @@ impl<'p> Executor<'p> {
             }
         }
         Ok(rows)
-    }
-
-    /// Every replica's rows of inference call `id`, gathered onto every rank, as its value.
-    pub(super) fn gather_value(
-        &self,
-        id: NodeId,
-        op: &Op,
-        rows: Vec<Option<PerSampleOut>>,
-    ) -> Result<Val> {
-        let rows = stream::gather_rows(&self.comm, rows)?;
-        let rows: Option<Vec<PerSampleOut>> = rows.into_iter().collect();
-        let rows = rows.ok_or_else(|| {
-            Error::invalid("plan", format!("{id}: a replica's results are missing"))
-        })?;
-        Ok(collect_rows(op, rows))
     }
 
     /// The sequences inference call `id` on `model` reads from a whole rollout (see

@@ -62,7 +62,7 @@ mod setup;
 pub(super) mod stream;
 pub mod tensorboard;
 mod tokens;
-mod train;
+pub(crate) mod train;
 mod values;
 
 use comm::Comm;
@@ -475,14 +475,37 @@ impl<'p> Executor<'p> {
         vals: &mut BTreeMap<NodeId, Val>,
         (step, t_step): (i64, Instant),
     ) -> Result<()> {
+        let mut calls = Vec::new();
+        let mut rows = Vec::new();
         for id in ids {
-            if let Some((op, rows)) = ungathered.remove(id) {
-                // The wait for the other ranks' rows, on the timeline where it happens.
-                let t0 = t_step.elapsed().as_secs_f64();
-                let v = self.gather_value(*id, &op, rows)?;
-                self.span(step, *id, "gather", t0, t_step.elapsed().as_secs_f64());
-                vals.insert(*id, v);
+            if let Some((op, r)) = ungathered.remove(id) {
+                calls.push((*id, op));
+                rows.push(r);
             }
+        }
+        let Some(&(first, _)) = calls.first() else {
+            return Ok(());
+        };
+        // One exchange for all of them; its wait for the other ranks' rows is on the
+        // timeline where it happens.
+        let t0 = t_step.elapsed().as_secs_f64();
+        let (_, gathered) = stream::gather_with_rows(&self.comm, None, rows)?;
+        let names: Vec<String> = calls.iter().map(|(id, _)| self.call_name(*id)).collect();
+        self.timeline.push(Span {
+            device: self.comm.rank,
+            iteration: step as u32,
+            task: format!("{first} gather"),
+            stage: "gather".into(),
+            label: format!("gather: {}", names.join(", ")),
+            start: t0,
+            end: t_step.elapsed().as_secs_f64(),
+        });
+        for ((id, op), r) in calls.into_iter().zip(gathered) {
+            let r: Option<Vec<PerSampleOut>> = r.into_iter().collect();
+            let r = r.ok_or_else(|| {
+                Error::invalid("plan", format!("{id}: a replica's results are missing"))
+            })?;
+            vals.insert(id, collect_rows(&op, r));
         }
         Ok(())
     }
@@ -596,7 +619,19 @@ impl<'p> Executor<'p> {
                     }
                     let end = t_step.elapsed().as_secs_f64();
                     rollout_done = rollout_done.max(end);
-                    self.span(step, id, "gather", g0 + stats.gen_seconds.max(0.0), end);
+                    // After the generation (and the chunks streamed under it): waiting for the
+                    // streams from and to the other ranks to end, then the exchange of the
+                    // rollout and the streamed results among all ranks.
+                    let busy_until = stats
+                        .chunks
+                        .iter()
+                        .map(|c| c.1)
+                        .fold(stats.gen_seconds.max(0.0), f64::max);
+                    let exchange = stats.exchange_start.max(busy_until);
+                    if exchange - busy_until > 1e-4 {
+                        self.span(step, id, "wait", g0 + busy_until, g0 + exchange);
+                    }
+                    self.span(step, id, "gather", g0 + exchange, end);
                     *time.entry("generate").or_default() += stats.gen_seconds;
                     *time.entry("infer").or_default() += stats.infer_seconds;
                     m.insert("time/infer_hidden".into(), stats.hidden_share());

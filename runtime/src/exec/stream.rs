@@ -457,6 +457,7 @@ impl<'p> Executor<'p> {
             self.comm.put_tail(id, rank, peer, g);
         }
         let (sent, received) = result?;
+        stats.exchange_start = t_gen.elapsed().as_secs_f64();
 
         for (dst, g) in sent {
             self.comm.put_stream(id, rank, dst, g);
@@ -479,7 +480,19 @@ impl<'p> Executor<'p> {
             })
             .collect();
         stats.tokens = mine_samples.iter().map(|(_, s)| s.token_ids.len()).sum();
-        let everyone = self.comm.all_gather_bytes(encode_samples(&mine_samples))?;
+        // The rollout and every streamed call's rows, in one exchange.
+        let streamed_calls: Vec<NodeId> =
+            self.exec.streamed(id).into_iter().map(|(c, _)| c).collect();
+        let mut mine_rows = Vec::with_capacity(streamed_calls.len());
+        for &c in &streamed_calls {
+            let mut rows = partial.remove(&c).unwrap_or_else(|| vec![None; total]);
+            if !self.share_of(c)?.is_some_and(|s| s.leads(rank)) {
+                rows = vec![None; total];
+            }
+            mine_rows.push(rows);
+        }
+        let (everyone, gathered) =
+            gather_with_rows(&self.comm, Some(encode_samples(&mine_samples)), mine_rows)?;
         for part in everyone {
             for (i, sample) in decode_samples(&part)? {
                 if i < total && samples[i].is_none() {
@@ -508,12 +521,7 @@ impl<'p> Executor<'p> {
             temperature,
         });
         let mut streamed = Vec::new();
-        for (c, _) in self.exec.streamed(id) {
-            let mut rows = partial.remove(&c).unwrap_or_else(|| vec![None; total]);
-            if !self.share_of(c)?.is_some_and(|s| s.leads(rank)) {
-                rows = vec![None; total];
-            }
-            let rows = gather_rows(&self.comm, rows)?;
+        for (c, rows) in streamed_calls.into_iter().zip(gathered) {
             if rows.iter().any(Option::is_none) {
                 return Err(Error::invalid(
                     "plan",
@@ -722,23 +730,61 @@ pub(super) fn gather_rows(
     comm: &Comm,
     rows: Vec<Option<PerSampleOut>>,
 ) -> Result<Vec<Option<PerSampleOut>>> {
+    let (_, mut out) = gather_with_rows(comm, None, vec![rows])?;
+    Ok(out.pop().unwrap_or_default())
+}
+
+/// One call's results on every sample of a rollout (`None`: not known on this rank yet).
+pub(super) type Rows = Vec<Option<PerSampleOut>>;
+
+/// [`gather_rows`] of several calls' rows, with a message of this rank's before them
+/// (`first`, e.g. its samples of a rollout), in one exchange among all ranks: every rank's
+/// `first` by rank, and each call's rows filled in from every rank's.
+pub(super) fn gather_with_rows(
+    comm: &Comm,
+    first: Option<Vec<u8>>,
+    calls: Vec<Vec<Option<PerSampleOut>>>,
+) -> Result<(Vec<Vec<u8>>, Vec<Rows>)> {
     if comm.is_single() {
-        return Ok(rows);
+        return Ok((first.into_iter().collect(), calls));
     }
-    let mine: Vec<(usize, PerSampleOut)> = rows
-        .iter()
-        .enumerate()
-        .filter_map(|(i, r)| r.clone().map(|r| (i, r)))
-        .collect();
-    let mut out = rows;
-    for part in comm.all_gather_bytes(encode_rows(&mine))? {
-        for (i, r) in decode_rows(&part)? {
-            if i < out.len() && out[i].is_none() {
-                out[i] = Some(r);
+    let lead = usize::from(first.is_some());
+    let mut parts: Vec<Vec<u8>> = first.into_iter().collect();
+    for rows in &calls {
+        let mine: Vec<(usize, PerSampleOut)> = rows
+            .iter()
+            .enumerate()
+            .filter_map(|(i, r)| r.clone().map(|r| (i, r)))
+            .collect();
+        parts.push(encode_rows(&mine));
+    }
+    let mut out = calls;
+    let mut firsts = Vec::new();
+    for message in comm.all_gather_bytes(encode_parts(&parts))? {
+        let got = decode_parts(&message)?;
+        if got.len() != out.len() + lead {
+            return Err(Error::invalid(
+                "exchange",
+                format!(
+                    "a peer sent {} messages where {} were expected",
+                    got.len(),
+                    out.len() + lead
+                ),
+            ));
+        }
+        let mut got = got.into_iter();
+        if lead == 1 {
+            firsts.extend(got.next());
+        }
+        for (rows, part) in out.iter_mut().zip(got) {
+            for (i, r) in decode_rows(&part)? {
+                if i < rows.len() && rows[i].is_none() {
+                    rows[i] = Some(r);
+                }
             }
         }
     }
-    Ok(out)
+    Ok((firsts, out))
 }
 
 /// Stream groups by peer rank, handed back after their threads end.
@@ -759,6 +805,10 @@ pub(super) struct GenStats {
     pub(super) chunks: Vec<(f64, f64)>,
     /// What long-tail migration did on this rank.
     pub(super) tail: TailStats,
+    /// When, in seconds from the start of generation, every thread of the generation had
+    /// ended (the last sample sent to, and received from, the other ranks) and the exchange
+    /// of the rollout and the streamed results among all ranks began.
+    pub(super) exchange_start: f64,
 }
 
 impl GenStats {

@@ -261,18 +261,18 @@ impl<'p> Executor<'p> {
 pub(super) type Trained = (BTreeMap<String, f64>, Option<Vec<Vec<f32>>>);
 
 /// The model's outputs on a micro-batch, with autograd.
-pub(super) struct TrainOut {
+pub(crate) struct TrainOut {
     /// Log-probabilities of the completion tokens `[T]` (language models).
-    pub(super) logp: Option<Tensor>,
+    pub(crate) logp: Option<Tensor>,
     /// Per-token entropy `[T]`, detached unless an entropy bonus needs it.
-    pub(super) entropy: Option<Tensor>,
+    pub(crate) entropy: Option<Tensor>,
     /// Values at the completion tokens `[T]` (critics).
     pub(super) values: Option<Tensor>,
     /// With activation checkpointing: what the layers' recomputed backward needs.
     pub(super) checkpoint: Option<crate::models::model::Checkpoint>,
 }
 
-pub(super) fn train_forward(
+pub(crate) fn train_forward(
     model: &Model,
     seqs: &[&Rollout],
     temperature: f64,

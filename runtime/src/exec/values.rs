@@ -294,9 +294,39 @@ pub(super) fn decode_rows(b: &[u8]) -> Result<Vec<(usize, PerSampleOut)>> {
     Ok(out)
 }
 
+/// Several messages as one, each kept whole: what one exchange among the ranks carries where
+/// it would otherwise take one exchange (two collectives) per message.
+pub(super) fn encode_parts(parts: &[Vec<u8>]) -> Vec<u8> {
+    let mut w = Wire::default();
+    w.u64(parts.len() as u64);
+    for p in parts {
+        w.bytes(p);
+    }
+    w.0
+}
+
+/// The messages [`encode_parts`] wrote; a cut or malformed buffer is an error.
+pub(super) fn decode_parts(b: &[u8]) -> Result<Vec<Vec<u8>>> {
+    let mut r = Unwire(b);
+    let n = r.len(8)?;
+    (0..n).map(|_| r.bytes()).collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn parts_cross_the_wire_whole() {
+        let parts = vec![vec![1u8, 2, 3], Vec::new(), vec![9u8; 17]];
+        let bytes = encode_parts(&parts);
+        assert_eq!(decode_parts(&bytes).unwrap(), parts);
+        assert!(decode_parts(&bytes[..bytes.len() - 1]).is_err());
+        assert_eq!(
+            decode_parts(&encode_parts(&[])).unwrap(),
+            Vec::<Vec<u8>>::new()
+        );
+    }
 
     #[test]
     fn samples_and_rows_cross_the_wire_unchanged() {

@@ -181,6 +181,27 @@ impl CostModel {
         2.0 * (n - 1.0) / n * bytes / (bw * d.network_efficiency) + lat
     }
 
+    /// An all-gather over the host network of `bytes` in all (every rank's share together)
+    /// among `ranks` processes, as the runtime exchanges rollouts and inference rows between
+    /// its ranks (Gloo over TCP, CPU tensors): every rank receives the others' `(n-1)/n` of
+    /// the bytes, plus one start-up latency. Priced only where the device is the host (the
+    /// CPU), whose calibrated collective figures are those of the same Gloo groups; `None`
+    /// on accelerators, whose collective figures are their own interconnect's, not the
+    /// hosts' TCP.
+    pub fn host_allgather_time(&self, bytes: f64, ranks: u64) -> Option<f64> {
+        if ranks <= 1 || self.device.kind != DeviceKind::Cpu {
+            return None;
+        }
+        let d = &self.device;
+        let (bw, lat) = if ranks <= self.devices_per_node {
+            (d.intra_node_bandwidth, d.intra_node_latency)
+        } else {
+            (d.inter_node_bandwidth, d.inter_node_latency)
+        };
+        let n = ranks as f64;
+        Some((n - 1.0) / n * bytes / (bw * d.network_efficiency) + lat)
+    }
+
     /// Weight bytes one device holds under `layout`.
     fn stage_weight_bytes(&self, model: &ModelShape, layout: Layout) -> f64 {
         (model.params() * self.dtype_bytes) as f64 / (layout.tp * layout.pp) as f64
@@ -762,6 +783,20 @@ mod tests {
         assert!((t.total - (t.pipeline + t.grad_allreduce + t.optimizer)).abs() < 1e-9);
         let more_mb = c.train_step_time(&m, layout, 64, 1024, 32, false);
         assert!(more_mb.bubble_fraction < t.bubble_fraction);
+    }
+
+    #[test]
+    fn host_exchanges_are_priced_on_cpus_only() {
+        let mut d = DeviceKind::Cpu.spec();
+        d.intra_node_latency = 500e-6;
+        d.intra_node_bandwidth = 1e9;
+        d.network_efficiency = 1.0;
+        let c = CostModel::new(d, 2);
+        // Each of 2 ranks receives the other's half of 1 MB, after one latency.
+        let t = c.host_allgather_time(1e6, 2).expect("priced on a CPU");
+        assert!((t - (0.5e6 / 1e9 + 500e-6)).abs() < 1e-12, "{t}");
+        assert_eq!(c.host_allgather_time(1e6, 1), None);
+        assert_eq!(h100_node().host_allgather_time(1e6, 8), None);
     }
 
     #[test]
