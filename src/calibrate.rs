@@ -122,7 +122,7 @@ fn calibrate_here(args: &Args) -> Result<Option<String>, (String, u8)> {
     let d = &profile.device;
     let o = &d.overheads;
     let mut s = format!(
-        "wrote {} in {:.1} s\n  matmul {:.2}–{:.2} GFLOP/s over {} shapes; memory {:.1} GB/s\n  decode step: {:.0} µs + {:.0} µs per layer + {:.1} µs per row + {:.1} µs per row, layer and 1,000 units of width\n  forward: {:.0} µs + {:.0} µs per layer + {:.2} µs per token + {:.2} µs per token, layer and 1,000 units of width + {:.2} µs per 1,000 attention scores and layer (prefill {:.0} µs more)\n  backward: {:.0} µs + {:.0} µs per layer + {:.2} µs per token + {:.2} µs per token, layer and 1,000 units of width + {:.2} µs per 1,000 attention scores and layer\n  optimizer step: {:.0} µs + {:.0} µs per layer",
+        "wrote {} in {:.1} s\n  matmul {:.2}–{:.2} GFLOP/s over {} shapes; memory {:.1} GB/s\n  decode step: {:.0} µs + {:.0} µs per layer + {:.1} µs per row + {:.1} µs per row, layer and 1,000 units of width\n  forward: {:.0} µs + {:.0} µs per layer + {:.2} µs per token + {:.2} µs per token, layer and 1,000 units of width + {:.2} µs per 1,000 attention scores and layer (prefill {:.0} µs + {:.2} µs per token + {:.2} µs per token, layer and 1,000 units of width more)\n  backward: {:.0} µs + {:.0} µs per layer + {:.2} µs per token + {:.2} µs per token, layer and 1,000 units of width + {:.2} µs per 1,000 attention scores and layer\n  optimizer step: {:.0} µs + {:.0} µs per layer",
         args.out.display(),
         start.elapsed().as_secs_f64(),
         d.matmul
@@ -143,6 +143,8 @@ fn calibrate_here(args: &Args) -> Result<Option<String>, (String, u8)> {
         o.forward_token_layer * 1e9,
         o.forward_score * 1e9,
         o.prefill * 1e6,
+        o.prefill_token * 1e6,
+        o.prefill_token_layer * 1e9,
         o.microbatch * 1e6,
         o.backward_layer * 1e6,
         o.backward_token * 1e6,
@@ -151,6 +153,16 @@ fn calibrate_here(args: &Args) -> Result<Option<String>, (String, u8)> {
         o.train_step * 1e6,
         o.optimizer_layer * 1e6,
     );
+    // How closely the fitted model prices what was measured.
+    let errors = calibrate::fit_errors(d, &m).map_err(|e| (e.to_string(), 1))?;
+    s.push_str("\n  the fitted model against the timings (median, worst):");
+    for (kind, n, median, worst) in errors {
+        s.push_str(&format!(
+            "\n    {kind} ({n}): {:.0} %, {:.0} %",
+            median * 100.0,
+            worst * 100.0
+        ));
+    }
     if m.allreduce.is_empty() {
         s.push_str(
             "\n  collectives: not measured (one rank, or GPUs); the datasheet's figures are kept",

@@ -42,6 +42,15 @@ fn calibrate(dir: &Path) -> std::path::PathBuf {
     let out = braid(&["calibrate", "--min-seconds", "0.01", "-o", s(&path)]);
     let text = ok(&out);
     assert!(text.contains("matmul"), "{text}");
+    // How closely the fitted model prices its own timings, per kind of pass.
+    for kind in [
+        "decode steps (",
+        "prefills (",
+        "forwards (",
+        "training micro-batches (",
+    ] {
+        assert!(text.contains(kind), "no `{kind}` in:\n{text}");
+    }
     path
 }
 
@@ -279,6 +288,30 @@ fn report_against_sim_sets_measured_beside_predicted() {
     // never the shorter.
     assert!(g["predicted"].as_f64().unwrap() >= 1.0 - 1e-9, "{g}");
 
+    // `--trace` writes the simulated iteration of the run's plan, to set beside the run's own
+    // timeline: every task of the plan's calls, the training among them.
+    let trace = dir.join("sim-trace.json");
+    ok(&braid(&[
+        "report",
+        s(&fused),
+        "--against-sim",
+        "--trace",
+        s(&trace),
+    ]));
+    let t: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
+    let spans: Vec<&serde_json::Value> = t["traceEvents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["ph"] == "X")
+        .collect();
+    for stage in ["generate", "train"] {
+        assert!(
+            spans.iter().any(|e| e["cat"] == stage),
+            "no `{stage}` span in {spans:?}"
+        );
+    }
     // The report names what it cannot use.
     let out = braid(&["report", s(&dir.join("nothing")), "--against-sim"]);
     assert!(!out.status.success());

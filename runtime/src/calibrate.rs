@@ -277,6 +277,11 @@ fn measure_passes(options: &Options, hidden: u64, layers: u64, out: &mut PassTim
         let short = gen_time(NEW_SHORT)?;
         let long = gen_time(NEW_LONG)?;
         let step = ((long - short) / (NEW_LONG - NEW_SHORT) as f64).max(0.0);
+        // The prefill, timed on its own: a generation of one token per prompt (the prompts'
+        // forward, the first token sampled from it, the engine's work per sample). Taking it
+        // as what the generations above leave after their steps subtracts two noisy timings
+        // and came out anywhere from zero to ten times this.
+        let prefill = gen_time(1)?;
         out.decode_step.push(PassPoint {
             hidden,
             layers,
@@ -289,7 +294,7 @@ fn measure_passes(options: &Options, hidden: u64, layers: u64, out: &mut PassTim
             layers,
             rows,
             len: 0,
-            secs: (short - NEW_SHORT as f64 * step).max(0.0),
+            secs: prefill,
         });
     }
     let mut optimizer = AdamW::new(&model, optimizer_config())?;
@@ -627,7 +632,7 @@ pub fn fit(base: &DeviceSpec, m: &Measurements) -> Result<DeviceSpec> {
     // pass of one short sequence (the tiny examples' inference micro-batches) is priced as
     // closely as one of sixteen long ones, whose milliseconds would otherwise outweigh it.
     let relative = |features: Vec<f64>, left: f64, secs: f64| {
-        let w = 1.0 / secs.max(1e-9);
+        let w = 1.0 / secs.max(1e-6);
         (
             features.into_iter().map(|x| x * w).collect::<Vec<f64>>(),
             left * w,
@@ -674,16 +679,21 @@ pub fn fit(base: &DeviceSpec, m: &Measurements) -> Result<DeviceSpec> {
         o.forward_token_layer,
         o.forward_score,
     ) = (c[0], c[1], c[2], c[3], c[4]);
-    // The prefill is a forward over the prompts: what is left after its forward terms is its
-    // fixed part (the mean over the timings).
-    let mut left = Vec::new();
+    // The prefill is a forward over the prompts: what is left after its forward terms is a
+    // fixed part, a part per token and one per token, layer and unit of width (the engine's
+    // cached-step kernels, its per-sample state: fitted, not averaged, or a prefill of a few
+    // rows is priced like one of many).
+    let mut rows = Vec::new();
     for q in &p.prefill {
         let roof = cost.prefill_time(&shape(q)?, one, q.rows, PROMPT_LEN as u64);
         let t = (q.rows as usize * PROMPT_LEN) as f64;
         let s = attention_scores(&shape(q)?, one, q.rows as f64, PROMPT_LEN as u64);
-        left.push(q.secs - roof - o.forward_terms(q.layers as f64, t, q.hidden as f64, s));
+        let left = q.secs - roof - o.forward_terms(q.layers as f64, t, q.hidden as f64, s);
+        let (l, h) = (q.layers as f64, q.hidden as f64);
+        rows.push(relative(vec![1.0, t, l * t * h], left, q.secs));
     }
-    o.prefill = (left.iter().sum::<f64>() / left.len() as f64).max(0.0);
+    let c = fitted(rows, "prefill")?;
+    (o.prefill, o.prefill_token, o.prefill_token_layer) = (c[0], c[1], c[2]);
     // A micro-batch: its forward (with the forward's terms) and its backward.
     let mut rows = Vec::new();
     for q in &p.train_microbatch {
@@ -720,6 +730,55 @@ pub fn fit(base: &DeviceSpec, m: &Measurements) -> Result<DeviceSpec> {
     Ok(d)
 }
 
+/// How closely a fitted `spec` prices the timings it was fitted on, per pass kind: the kind,
+/// how many timings, the median and the largest relative error (predicted over measured, less
+/// one, in absolute value).
+pub fn fit_errors(
+    spec: &DeviceSpec,
+    m: &Measurements,
+) -> Result<Vec<(&'static str, usize, f64, f64)>> {
+    let cost = CostModel::new(spec.clone(), 1).for_dtype(4);
+    let one = Layout::SINGLE;
+    let shape = |q: &PassPoint| tiny_shape(q.hidden, q.layers);
+    let context = (PROMPT_LEN + (NEW_SHORT + NEW_LONG) / 2) as u64;
+    let p = &m.passes;
+    let mut out = Vec::new();
+    let mut kind = |name: &'static str,
+                    v: &[PassPoint],
+                    price: &dyn Fn(&PassPoint) -> Result<f64>|
+     -> Result<()> {
+        let mut errs = Vec::with_capacity(v.len());
+        for q in v {
+            errs.push((price(q)? / q.secs.max(1e-12) - 1.0).abs());
+        }
+        if errs.is_empty() {
+            return Ok(());
+        }
+        errs.sort_by(f64::total_cmp);
+        out.push((name, errs.len(), errs[errs.len() / 2], errs[errs.len() - 1]));
+        Ok(())
+    };
+    kind("decode steps", &p.decode_step, &|q| {
+        Ok(cost.decode_step_time(&shape(q)?, one, q.rows, context))
+    })?;
+    kind("prefills", &p.prefill, &|q| {
+        Ok(cost.prefill_time(&shape(q)?, one, q.rows, PROMPT_LEN as u64))
+    })?;
+    kind("forwards", &p.forward, &|q| {
+        Ok(cost.forward_time(&shape(q)?, one, q.rows, q.len))
+    })?;
+    kind("training micro-batches", &p.train_microbatch, &|q| {
+        let t = cost.train_step_time(&shape(q)?, one, q.rows, q.len, 1, false);
+        Ok(t.forward + t.backward)
+    })?;
+    kind("optimizer steps", &p.optimizer, &|q| {
+        Ok(cost
+            .train_step_time(&shape(q)?, one, 1, PASS_LENS[0] as u64, 1, false)
+            .optimizer)
+    })?;
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -752,6 +811,8 @@ mod tests {
             decode_row: 7e-6,
             decode_row_layer: 0.02e-6,
             prefill: 500e-6,
+            prefill_token: 2e-6,
+            prefill_token_layer: 0.01e-6,
             forward: 800e-6,
             forward_layer: 60e-6,
             forward_token: 0.3e-6,
@@ -828,6 +889,12 @@ mod tests {
             ("decode_row", o.decode_row, t.decode_row),
             ("decode_row_layer", o.decode_row_layer, t.decode_row_layer),
             ("prefill", o.prefill, t.prefill),
+            ("prefill_token", o.prefill_token, t.prefill_token),
+            (
+                "prefill_token_layer",
+                o.prefill_token_layer,
+                t.prefill_token_layer,
+            ),
             ("forward", o.forward, t.forward),
             ("forward_layer", o.forward_layer, t.forward_layer),
             ("forward_token", o.forward_token, t.forward_token),

@@ -153,6 +153,13 @@ pub struct Overheads {
     pub decode_row_layer: f64,
     /// Per prefill pass over a batch of prompts, beyond its forward terms.
     pub prefill: f64,
+    /// Per prompt token of a prefill pass, beyond its forward terms: the engine's work per
+    /// token as it admits samples (their cache rows, their sampling state).
+    pub prefill_token: f64,
+    /// Per prompt token, layer and unit of the hidden size of a prefill pass, beyond its
+    /// forward terms (the engine prefills through its cached-step kernels, which cost far more
+    /// per token than a whole-sequence forward).
+    pub prefill_token_layer: f64,
     /// Per forward pass (an inference chunk), beyond its layers.
     pub forward: f64,
     /// Per layer of a forward pass (inference, prefill, a training micro-batch's forward).
@@ -491,6 +498,8 @@ impl DeviceSpec {
             ("overheads.decode_row", o.decode_row),
             ("overheads.decode_row_layer", o.decode_row_layer),
             ("overheads.prefill", o.prefill),
+            ("overheads.prefill_token", o.prefill_token),
+            ("overheads.prefill_token_layer", o.prefill_token_layer),
             ("overheads.forward", o.forward),
             ("overheads.forward_layer", o.forward_layer),
             ("overheads.forward_token", o.forward_token),

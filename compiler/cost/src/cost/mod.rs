@@ -257,6 +257,11 @@ impl CostModel {
                 attention_scores(model, layout, batch as f64, prompt_len),
             )
             + o.prefill
+            + tokens * o.prefill_token
+            + model.layers as f64
+                * tokens
+                * (model.hidden / layout.tp) as f64
+                * o.prefill_token_layer
     }
 
     /// Prefill of `batch` prompts on a pipelined instance (`layout.pp` stages), as ReaL's
