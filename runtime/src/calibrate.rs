@@ -48,7 +48,7 @@ const HEADS: u64 = 4;
 const KV_HEADS: u64 = 2;
 /// Decode measurements: running rows, prompt length, and the two completion lengths whose
 /// difference is the steps' time.
-pub const DECODE_ROWS: [u64; 2] = [4, 32];
+pub const DECODE_ROWS: [u64; 3] = [4, 16, 32];
 pub const PROMPT_LEN: usize = 8;
 const NEW_SHORT: usize = 8;
 const NEW_LONG: usize = 40;
