@@ -726,10 +726,7 @@ fn recv_samples(
 }
 
 /// Every rank's results of one consumer merged: each rank holds the samples of its replica.
-pub(super) fn gather_rows(
-    comm: &Comm,
-    rows: Vec<Option<PerSampleOut>>,
-) -> Result<Vec<Option<PerSampleOut>>> {
+pub(super) fn gather_rows(comm: &Comm, rows: Rows) -> Result<Rows> {
     let (_, mut out) = gather_with_rows(comm, None, vec![rows])?;
     Ok(out.pop().unwrap_or_default())
 }
@@ -743,7 +740,7 @@ pub(super) type Rows = Vec<Option<PerSampleOut>>;
 pub(super) fn gather_with_rows(
     comm: &Comm,
     first: Option<Vec<u8>>,
-    calls: Vec<Vec<Option<PerSampleOut>>>,
+    calls: Vec<Rows>,
 ) -> Result<(Vec<Vec<u8>>, Vec<Rows>)> {
     if comm.is_single() {
         return Ok((first.into_iter().collect(), calls));
