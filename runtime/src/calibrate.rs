@@ -52,9 +52,9 @@ pub const DECODE_ROWS: [u64; 3] = [4, 16, 32];
 pub const PROMPT_LEN: usize = 8;
 const NEW_SHORT: usize = 8;
 const NEW_LONG: usize = 40;
-/// Inference and training measurements: sequences per pass and their lengths (two, so that
-/// the attention scores' term, which grows with the square of the length, separates from the
-/// per-token terms).
+/// Inference and training measurements: sequences per pass (down to one, as the examples'
+/// inference micro-batches run) and their lengths (several, so that the attention scores'
+/// term, which grows with the square of the length, separates from the per-token terms).
 pub const PASS_SEQS: [u64; 3] = [1, 4, 16];
 pub const PASS_LENS: [usize; 3] = [16, 48, 144];
 /// All-reduce sizes in bytes.

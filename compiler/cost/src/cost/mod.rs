@@ -171,14 +171,20 @@ impl CostModel {
         if ranks <= 1 {
             return 0.0;
         }
+        let (bw, lat) = self.link(ranks * stride);
+        let n = ranks as f64;
+        2.0 * (n - 1.0) / n * bytes / (bw * self.device.network_efficiency) + lat
+    }
+
+    /// The bandwidth and latency of a group spanning `span` consecutive ranks: the node's
+    /// links when it fits in one node, else the network.
+    fn link(&self, span: u64) -> (f64, f64) {
         let d = &self.device;
-        let (bw, lat) = if ranks * stride <= self.devices_per_node {
+        if span <= self.devices_per_node {
             (d.intra_node_bandwidth, d.intra_node_latency)
         } else {
             (d.inter_node_bandwidth, d.inter_node_latency)
-        };
-        let n = ranks as f64;
-        2.0 * (n - 1.0) / n * bytes / (bw * d.network_efficiency) + lat
+        }
     }
 
     /// An all-gather over the host network of `bytes` in all (every rank's share together)
@@ -192,14 +198,9 @@ impl CostModel {
         if ranks <= 1 || self.device.kind != DeviceKind::Cpu {
             return None;
         }
-        let d = &self.device;
-        let (bw, lat) = if ranks <= self.devices_per_node {
-            (d.intra_node_bandwidth, d.intra_node_latency)
-        } else {
-            (d.inter_node_bandwidth, d.inter_node_latency)
-        };
+        let (bw, lat) = self.link(ranks);
         let n = ranks as f64;
-        Some((n - 1.0) / n * bytes / (bw * d.network_efficiency) + lat)
+        Some((n - 1.0) / n * bytes / (bw * self.device.network_efficiency) + lat)
     }
 
     /// Weight bytes one device holds under `layout`.
