@@ -82,7 +82,9 @@ fn calibrate_here(args: &Args) -> Result<Option<String>, (String, u8)> {
             args.threads.max(1),
             if args.threads.max(1) == 1 { "" } else { "s" },
             if world.size > 1 && device == braid_runtime::Device::Cpu {
-                ", all-reduces"
+                ", all-reduces, the ranks' spread"
+            } else if world.size > 1 {
+                ", the ranks' spread"
             } else {
                 ""
             }
@@ -173,6 +175,18 @@ fn calibrate_here(args: &Args) -> Result<Option<String>, (String, u8)> {
             world.size,
             d.intra_node_latency * 1e6,
             d.intra_node_bandwidth / 1e9
+        ));
+    }
+    if !m.rank_excess.is_empty() {
+        let mean = m.rank_excess.iter().sum::<f64>() / m.rank_excess.len() as f64;
+        s.push_str(&format!(
+            "\n  the same work started on {} ranks at once: the slowest {:.1} % over their mean \
+             ({} repetitions), a spread of {:.1} %: calls on several ranks are priced to end with \
+             their slowest",
+            world.size,
+            mean * 100.0,
+            m.rank_excess.len(),
+            d.rank_spread * 100.0
         ));
     }
     if let Some(h) = d.host_cores {

@@ -110,6 +110,10 @@ pub struct Measurements {
     pub allreduce: Vec<(u64, f64)>,
     /// Ranks that measured at once.
     pub ranks: usize,
+    /// Per repetition of the same training micro-batch started on every rank at once: the
+    /// slowest rank's time over the ranks' mean, less 1 (empty on one rank).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub rank_excess: Vec<f64>,
 }
 
 /// Seconds per repetition of `f`, repeated for at least `min_seconds` (and twice), after one
@@ -196,9 +200,11 @@ pub fn measure(options: &Options, group: Option<&ProcessGroup>) -> Result<Measur
         passes,
         allreduce: Vec::new(),
         ranks: group.map_or(1, |g| g.size()),
+        rank_excess: Vec::new(),
     };
     if let Some(g) = group {
         average_over(g, &mut m)?;
+        m.rank_excess = measure_rank_excess(options, g)?;
     }
     // The group is Gloo's: its all-reduces are what CPU ranks use. A GPU's collectives run
     // on NCCL, which this measurement does not time; its datasheet figures stay.
@@ -331,17 +337,7 @@ fn measure_pass(
     len: usize,
     out: &mut PassTimes,
 ) -> Result<()> {
-    let seqs: Vec<Rollout> = (0..rows as usize)
-        .map(|s| {
-            let ids: Vec<i64> = (0..len)
-                .map(|t| 3 + ((s * 13 + t * 5) % 200) as i64)
-                .collect();
-            Rollout {
-                prompt: ids[..len / 2].to_vec(),
-                completion: ids[len / 2..].to_vec(),
-            }
-        })
-        .collect();
+    let seqs = sequences(rows, len);
     let infer = InferOptions {
         micro_batch: rows as usize,
         temperature: 1.0,
@@ -356,43 +352,115 @@ fn measure_pass(
     out.forward.push(point(time(options.min_seconds, || {
         logprobs(model, &seqs, &infer).map(|_| ())
     })?));
-    // Training: a micro-batch as the runtime's `train` runs it — the forward with gradients
-    // and the completion tokens' log-probabilities and entropy (`train_forward`), PPO's
-    // clipped objective evaluated on them (`objective::evaluate`), the loss and entropy read
-    // back for the step's metrics, and the backward.
-    let refs: Vec<&Rollout> = seqs.iter().collect();
+    // Training: a micro-batch as the runtime's `train` runs it.
+    let mut step = train_microbatch(model, &seqs, options.device)?;
+    let secs = tch::with_grad(|| time(options.min_seconds, &mut step))?;
+    out.train_microbatch.push(point(secs));
+    Ok(())
+}
+
+/// `rows` sequences of `len` tokens (half prompt, half completion) of made-up token ids.
+fn sequences(rows: u64, len: usize) -> Vec<Rollout> {
+    (0..rows as usize)
+        .map(|s| {
+            let ids: Vec<i64> = (0..len)
+                .map(|t| 3 + ((s * 13 + t * 5) % 200) as i64)
+                .collect();
+            Rollout {
+                prompt: ids[..len / 2].to_vec(),
+                completion: ids[len / 2..].to_vec(),
+            }
+        })
+        .collect()
+}
+
+/// A training micro-batch of `model` over `seqs` as the runtime's `train` runs it — the
+/// forward with gradients and the completion tokens' log-probabilities and entropy
+/// (`train_forward`), PPO's clipped objective evaluated on them (`objective::evaluate`), the
+/// loss and entropy read back for the step's metrics, and the backward — as a closure to time
+/// (under `tch::with_grad`).
+fn train_microbatch<'a>(
+    model: &'a Model,
+    seqs: &'a [Rollout],
+    device: Device,
+) -> Result<impl FnMut() -> Result<()> + 'a> {
     let lens: Vec<usize> = seqs.iter().map(|r| r.completion.len()).collect();
     let groups: Vec<usize> = (0..seqs.len()).collect();
     let layout = objective::Layout::new(&lens, &groups, &lens, &groups);
     let tokens: usize = lens.iter().sum();
     let ppo = ppo_objective()?;
     let inputs = [
-        Tensor::zeros([tokens as i64], (Kind::Float, options.device)),
-        Tensor::ones([seqs.len() as i64], (Kind::Float, options.device)),
+        Tensor::zeros([tokens as i64], (Kind::Float, device)),
+        Tensor::ones([seqs.len() as i64], (Kind::Float, device)),
     ];
-    let secs = tch::with_grad(|| {
-        time(options.min_seconds, || {
-            let out = train_forward(model, &refs, 1.0, Head::Lm, false)?;
-            let ev = objective::evaluate(
-                &ppo,
-                &inputs,
-                &objective::Outputs {
-                    logp: out.logp.as_ref(),
-                    entropy: out.entropy.as_ref(),
-                    value: None,
-                },
-                &layout,
-            )?;
-            let _loss = ev.loss.double_value(&[]);
-            if let Some(e) = &out.entropy {
-                let _entropy = e.detach().sum(Kind::Float).double_value(&[]);
+    Ok(move || {
+        let refs: Vec<&Rollout> = seqs.iter().collect();
+        let out = train_forward(model, &refs, 1.0, Head::Lm, false)?;
+        let ev = objective::evaluate(
+            &ppo,
+            &inputs,
+            &objective::Outputs {
+                logp: out.logp.as_ref(),
+                entropy: out.entropy.as_ref(),
+                value: None,
+            },
+            &layout,
+        )?;
+        let _loss = ev.loss.double_value(&[]);
+        if let Some(e) = &out.entropy {
+            let _entropy = e.detach().sum(Kind::Float).double_value(&[]);
+        }
+        ev.loss.backward();
+        Ok(())
+    })
+}
+
+/// Repetitions of [`measure_rank_excess`].
+pub const SPREAD_REPS: usize = 24;
+
+/// How far apart the ranks finish the same work started at once: [`SPREAD_REPS`] times, every
+/// rank runs one training micro-batch of the width-128, 3-layer tiny model over 4 sequences of
+/// 48 tokens (about as long as a tiny example's call) right after a barrier; per repetition,
+/// the slowest rank's time over the ranks' mean, less 1.
+fn measure_rank_excess(options: &Options, g: &ProcessGroup) -> Result<Vec<f64>> {
+    let (model, _) = tiny_in(&tiny_config(128, 3), Head::Lm, options.kind, options.device)?;
+    let seqs = sequences(4, 48);
+    let mut step = train_microbatch(&model, &seqs, options.device)?;
+    let n = g.size() as f64;
+    tch::with_grad(|| {
+        step()?;
+        let mut out = Vec::with_capacity(SPREAD_REPS);
+        for _ in 0..SPREAD_REPS {
+            g.barrier()?;
+            let start = Instant::now();
+            step()?;
+            if let Device::Cuda(i) = options.device {
+                tch::Cuda::synchronize(i as i64);
             }
-            ev.loss.backward();
-            Ok(())
-        })
-    })?;
-    out.train_microbatch.push(point(secs));
-    Ok(())
+            let secs = start.elapsed().as_secs_f64();
+            let mut most = Tensor::from_slice(&[secs]);
+            let mut sum = Tensor::from_slice(&[secs]);
+            g.all_reduce(&mut most, ReduceOp::Max)?;
+            g.all_reduce(&mut sum, ReduceOp::Sum)?;
+            let mean = sum.double_value(&[0]) / n;
+            if mean > 0.0 {
+                out.push(most.double_value(&[0]) / mean - 1.0);
+            }
+        }
+        Ok(out)
+    })
+}
+
+/// The ranks' spread ([`DeviceSpec::rank_spread`]: standard deviation over mean) from the
+/// slowest rank's excess over the mean in each repetition on `ranks` ranks: their mean over
+/// the expected largest of `ranks` standard normal draws. `None` on one rank or without
+/// repetitions.
+pub fn rank_spread(excess: &[f64], ranks: usize) -> Option<f64> {
+    if ranks < 2 || excess.is_empty() {
+        return None;
+    }
+    let mean = excess.iter().sum::<f64>() / excess.len() as f64;
+    Some(mean.max(0.0) / braid_cost::cost::expected_max_normal(ranks as u64))
 }
 
 /// PPO's clipped surrogate (clip 0.2) with its clip fraction, as `std::ppo`'s `ppo_loss`
@@ -606,6 +674,9 @@ pub fn fit(base: &DeviceSpec, m: &Measurements) -> Result<DeviceSpec> {
         d.intra_node_latency = latency;
         d.intra_node_bandwidth = bw;
         d.network_efficiency = 1.0;
+    }
+    if let Some(spread) = rank_spread(&m.rank_excess, m.ranks) {
+        d.rank_spread = spread;
     }
     // The roofline alone (no overheads), with the rates just measured.
     let cost = CostModel::new(d.clone(), 1).for_dtype(4);
@@ -878,6 +949,7 @@ mod tests {
             passes: p,
             allreduce: Vec::new(),
             ranks: 1,
+            rank_excess: Vec::new(),
         };
         let base = DeviceKind::Cpu.spec();
         let got = fit(&base, &m).expect("fits");
@@ -918,8 +990,28 @@ mod tests {
         ] {
             assert!(close(a, b), "{name}: fitted {a}, priced with {b}");
         }
-        // One rank: the collective constants stay the datasheet's.
+        // One rank: the collective constants stay the datasheet's, and no spread.
         assert_eq!(got.intra_node_latency, base.intra_node_latency);
+        assert_eq!(got.rank_spread, 0.0);
+        // Two ranks whose slowest finished 5.642 % over their mean: a spread of 0.1 (E[max of
+        // two standard normals] = 1/√π = 0.5642).
+        let two = Measurements {
+            ranks: 2,
+            rank_excess: vec![0.04, 0.07284, 0.05642],
+            ..m
+        };
+        let got = fit(&base, &two).expect("fits");
+        assert!((got.rank_spread - 0.1).abs() < 1e-4, "{}", got.rank_spread);
+    }
+
+    #[test]
+    fn the_ranks_spread_needs_two_ranks_and_repetitions() {
+        assert_eq!(rank_spread(&[0.1], 1), None);
+        assert_eq!(rank_spread(&[], 2), None);
+        // A slowest rank is never under the mean; below it (rounding) reads as no spread.
+        assert_eq!(rank_spread(&[-0.01], 2), Some(0.0));
+        let four = rank_spread(&[0.1029375], 4).expect("four ranks");
+        assert!((four - 0.1).abs() < 1e-5, "{four}");
     }
 
     #[test]

@@ -354,7 +354,12 @@ fn build_dag(
                         Some(&(_, s)) => s,
                         None => estimate::call_time(a, id, &p),
                     };
-                    Work::Fixed { seconds: secs }
+                    // Its ranks sum gradients after every mini-batch: each waits for the
+                    // slowest.
+                    let ranks = p.dp.max(1) * p.tp.max(1) * p.pp.max(1);
+                    Work::Fixed {
+                        seconds: secs * a.cost.slowest_of(ranks),
+                    }
                 }
                 // Taken from the training forward pass: no work of its own.
                 _ if a.decisions.reused_logprobs.contains_key(&id) => Work::Fixed { seconds: 0.0 },

@@ -743,3 +743,58 @@ fn cpu_ranks_exchange_the_rollout_and_the_rows_as_the_runtime_does() {
         );
     }
 }
+
+/// A profile's measured spread between ranks prices every call on several ranks to end with
+/// the slowest of them, and nothing on one rank.
+#[test]
+fn calls_on_several_ranks_end_with_their_slowest() {
+    use braid_cost::sim::{Work, simulate};
+    let plan = example("ppo_tiny");
+    for cluster in ["1x2xcpu", "1x1xcpu"] {
+        let even = planned(plan.clone(), cluster, Pins::default());
+        let mut spread = even.clone();
+        spread.cost.device.rank_spread = 0.1;
+        let factor = spread.cost.slowest_of(2);
+        assert!((factor - (1.0 + 0.1 / std::f64::consts::PI.sqrt())).abs() < 1e-6);
+        let (d0, _) = braid_passes::to_sim::to_dag(&even, true).unwrap();
+        let (d1, _) = braid_passes::to_sim::to_dag(&spread, true).unwrap();
+        assert_eq!(d0.tasks.len(), d1.tasks.len());
+        let mut several = 0;
+        for (t0, t1) in d0.tasks.iter().zip(&d1.tasks) {
+            let k = if t0.devices.len() > 1 { factor } else { 1.0 };
+            match (&t0.work, &t1.work) {
+                (Work::Fixed { seconds: a }, Work::Fixed { seconds: b }) if t0.stage == "train" => {
+                    assert!((b - a * k).abs() <= 1e-12 + 1e-9 * a, "{}: {a} → {b}", t0.name);
+                    several += usize::from(t0.devices.len() > 1);
+                }
+                (
+                    Work::PerSample { per_sample: a, .. },
+                    Work::PerSample { per_sample: b, .. },
+                ) => {
+                    assert!((b - a * k).abs() <= 1e-15 + 1e-9 * a, "{}: {a} → {b}", t0.name);
+                    several += usize::from(t0.devices.len() > 1);
+                }
+                (a, b) if t0.stage != "train" => {
+                    if !matches!(a, Work::Generate(_)) {
+                        assert_eq!(a, b, "{}", t0.name);
+                    }
+                }
+                _ => panic!("{}: the work changed kind", t0.name),
+            }
+        }
+        let opts = braid_cost::sim::SimOptions::default();
+        let (r0, r1) = (simulate(&d0, &opts).unwrap(), simulate(&d1, &opts).unwrap());
+        if cluster == "1x2xcpu" {
+            assert!(several > 0, "no call on both ranks");
+            assert!(
+                r1.mean_iteration_time > r0.mean_iteration_time,
+                "{} vs {}",
+                r1.mean_iteration_time,
+                r0.mean_iteration_time
+            );
+        } else {
+            assert_eq!(several, 0);
+            assert_eq!(r1.mean_iteration_time, r0.mean_iteration_time);
+        }
+    }
+}

@@ -122,6 +122,7 @@ fn gpu(kind: DeviceKind, flops: f64, hbm: f64, mem_gb: u64, nvlink: f64, net: f6
         matmul: Vec::new(),
         host_decode: None,
         host_cores: None,
+        rank_spread: 0.0,
     }
 }
 
@@ -256,6 +257,16 @@ pub struct DeviceSpec {
     /// (`braid calibrate` records both); `None`: a core for every thread the runtime starts.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub host_cores: Option<HostCores>,
+    /// How far apart ranks doing the same work at the same moment finish: the standard
+    /// deviation of their times over the mean, measured by `braid calibrate` on several ranks.
+    /// A call on several ranks ends with its slowest rank ([`super::CostModel::slowest_of`]).
+    /// 0 (the datasheets): every rank takes the time the model prices.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub rank_spread: f64,
+}
+
+fn is_zero(x: &f64) -> bool {
+    *x == 0.0
 }
 
 /// The cores a CPU rank's threads share: its compute threads (libtorch's, per rank) and, beside
@@ -331,6 +342,7 @@ impl DeviceSpec {
             matmul: Vec::new(),
             host_decode: None,
             host_cores: None,
+            rank_spread: 0.0,
         }
     }
 
@@ -494,6 +506,7 @@ impl DeviceSpec {
             ("intra_node_latency", self.intra_node_latency),
             ("inter_node_latency", self.inter_node_latency),
             ("decode_layer_overhead", self.decode_layer_overhead),
+            ("rank_spread", self.rank_spread),
             ("overheads.decode_step", o.decode_step),
             ("overheads.decode_row", o.decode_row),
             ("overheads.decode_row_layer", o.decode_row_layer),

@@ -10,6 +10,7 @@
 pub mod device;
 pub mod model;
 
+use std::collections::BTreeMap;
 use std::fmt;
 
 use serde::{Deserialize, Serialize};
@@ -161,6 +162,18 @@ impl CostModel {
             dtype_bytes: dtype_bytes.max(1),
             ..self.clone()
         }
+    }
+
+    /// How much longer a call on `ranks` ranks that wait for one another takes than one rank's
+    /// priced time: the expected largest of `ranks` draws from a normal distribution about 1
+    /// with the device's measured [`DeviceSpec::rank_spread`] (`1 + spread · E[max of ranks
+    /// standard normals]`). Exactly 1 on one rank or without a measured spread.
+    pub fn slowest_of(&self, ranks: u64) -> f64 {
+        let s = self.device.rank_spread;
+        if ranks <= 1 || s.is_nan() || s <= 0.0 {
+            return 1.0;
+        }
+        1.0 + s * expected_max_normal(ranks)
     }
 
     /// Ring all-reduce of `bytes` over `ranks` devices spaced `stride` ranks apart: every rank
@@ -613,6 +626,48 @@ impl MemoryNeeds {
     }
 }
 
+/// The expected largest of `k` independent standard normal draws (0 for one; 1/√π for two,
+/// about 1.03 for four, 1.42 for eight), by integrating `x · k φ(x) Φ(x)^(k−1)` over
+/// [−8, 8] with Φ accumulated along the way.
+pub fn expected_max_normal(k: u64) -> f64 {
+    if k <= 1 {
+        return 0.0;
+    }
+    thread_local! {
+        static KNOWN: std::cell::RefCell<BTreeMap<u64, f64>> = const {
+            std::cell::RefCell::new(BTreeMap::new())
+        };
+    }
+    if let Some(e) = KNOWN.with(|m| m.borrow().get(&k).copied()) {
+        return e;
+    }
+    let e = integrate_max_normal(k);
+    KNOWN.with(|m| m.borrow_mut().insert(k, e));
+    e
+}
+
+fn integrate_max_normal(k: u64) -> f64 {
+    const STEPS: usize = 16_000;
+    let (lo, hi) = (-8.0f64, 8.0f64);
+    let h = (hi - lo) / STEPS as f64;
+    let phi = |x: f64| (-0.5 * x * x).exp() / (2.0 * std::f64::consts::PI).sqrt();
+    let k = k as f64;
+    let mut cdf = 0.0f64;
+    let mut sum = 0.0f64;
+    let mut prev = phi(lo);
+    for i in 1..=STEPS {
+        let x = lo + h * i as f64;
+        let p = phi(x);
+        // Φ at x by the trapezoid rule, then the integrand at the midpoint of the step.
+        let mid_cdf = cdf + 0.25 * h * (prev + p);
+        cdf += 0.5 * h * (prev + p);
+        let xm = x - 0.5 * h;
+        sum += h * xm * k * phi(xm) * mid_cdf.clamp(0.0, 1.0).powf(k - 1.0);
+        prev = p;
+    }
+    sum
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -792,6 +847,25 @@ mod tests {
     }
 
     #[test]
+    fn the_slowest_of_several_ranks_follows_the_normal_order_statistics() {
+        // Known values: E[max of 2] = 1/√π; of 3, 3/(2√π); of 4 and 8 from the tables of
+        // normal order statistics (Harter 1961).
+        assert!((expected_max_normal(2) - 1.0 / std::f64::consts::PI.sqrt()).abs() < 1e-6);
+        assert!((expected_max_normal(3) - 1.5 / std::f64::consts::PI.sqrt()).abs() < 1e-6);
+        assert!((expected_max_normal(4) - 1.029_375).abs() < 1e-5);
+        assert!((expected_max_normal(8) - 1.423_600).abs() < 1e-5);
+        assert_eq!(expected_max_normal(1), 0.0);
+        let mut d = DeviceKind::Cpu.spec();
+        // The datasheets have no spread: every rank takes the priced time.
+        assert_eq!(CostModel::new(d.clone(), 2).slowest_of(2), 1.0);
+        d.rank_spread = 0.1;
+        let c = CostModel::new(d, 2);
+        assert_eq!(c.slowest_of(1), 1.0);
+        assert!((c.slowest_of(2) - (1.0 + 0.1 / std::f64::consts::PI.sqrt())).abs() < 1e-6);
+        assert!(c.slowest_of(8) > c.slowest_of(4) && c.slowest_of(4) > c.slowest_of(2));
+    }
+
+    #[test]
     fn host_exchanges_are_priced_on_cpus_only() {
         let mut d = DeviceKind::Cpu.spec();
         d.intra_node_latency = 500e-6;
@@ -966,3 +1040,4 @@ mod tests {
         );
     }
 }
+

@@ -97,8 +97,11 @@ impl Work {
     ) -> Work {
         // Per pipeline stage: micro-batches issued back to back leave one stage apart.
         let pp = layout.pp.max(1) as f64;
-        let one = cost.forward_time(model, layout, 1, seq_len) / pp;
-        let many = cost.forward_time(model, layout, chunk.max(1), seq_len) / pp;
+        // Its ranks compute at once and the call ends with the slowest of them.
+        let ranks = replicas.max(1) * layout.tp.max(1) * layout.pp.max(1);
+        let slow = cost.slowest_of(ranks);
+        let one = cost.forward_time(model, layout, 1, seq_len) / pp * slow;
+        let many = cost.forward_time(model, layout, chunk.max(1), seq_len) / pp * slow;
         // A linear fit through micro-batch sizes 1 and `chunk`: small ones are dominated by
         // the weight reads, large ones by compute.
         let per_sample = if chunk > 1 {

@@ -710,6 +710,8 @@ fn trace_generation(
         tp: (per as u64 / stages).max(1),
         pp: stages,
     };
+    // The generation's ranks compute at once and its end waits for the slowest of them.
+    let slow = g.cost.slowest_of(devices.len() as u64);
     let mut insts: Vec<Instance> = (0..g.instances as usize)
         .map(|k| Instance {
             devices: devices[k * per..(k + 1) * per].to_vec(),
@@ -729,7 +731,7 @@ fn trace_generation(
     }
     let mut trace = GenerationTrace::default();
     for inst in &mut insts {
-        let prefill = inst.admit(g, layout);
+        let prefill = inst.admit(g, layout) * slow;
         let batch = inst.live();
         trace.spans.push((
             inst.devices.clone(),
@@ -754,13 +756,13 @@ fn trace_generation(
             let mut t_m = insts.iter().map(|i| i.clock).fold(start, f64::max);
             for inst in insts.iter_mut() {
                 if inst.live() > 0 && inst.clock < t_m {
-                    let dt = inst.step_time(g, layout);
+                    let dt = inst.step_time(g, layout) * slow;
                     let n = inst.advance(dt);
                     live -= n;
                     if n > 0 {
                         trace.emits.push((inst.clock, n));
                     }
-                    inst.clock += inst.admit(g, layout);
+                    inst.clock += inst.admit(g, layout) * slow;
                 }
             }
             t_m = insts.iter().map(|i| i.clock).fold(t_m, f64::max);
@@ -831,7 +833,7 @@ fn trace_generation(
             if inst.live() == 0 {
                 continue;
             }
-            let dt = inst.step_time(g, layout);
+            let dt = inst.step_time(g, layout) * slow;
             if next.is_none_or(|(end, _, _)| inst.clock + dt < end) {
                 next = Some((inst.clock + dt, k, dt));
             }
@@ -843,7 +845,7 @@ fn trace_generation(
             trace.emits.push((insts[k].clock, n));
         }
         // Rows freed by finished samples take waiting ones (their prefill delays the step).
-        let g_prefill = insts[k].admit(g, layout);
+        let g_prefill = insts[k].admit(g, layout) * slow;
         insts[k].clock += g_prefill;
         // With migration, an instance that will not receive the tail hands its devices back
         // as soon as it drains, rather than idling until the migration.
