@@ -1289,7 +1289,7 @@ fn an_unpinned_migration_is_rechosen_from_the_lengths_observed() {
 /// `braid launch … calibrate` on 2 ranks measures the all-reduce over Gloo and writes one
 /// profile (rank 0's) with the measured collective constants in place of the datasheet's.
 #[test]
-fn calibrate_on_two_ranks_measures_the_all_reduce() {
+fn calibrate_on_two_ranks_measures_the_all_reduce_and_the_ranks_spread() {
     let dir = tmp("calibrate");
     let path = dir.join("cpu2.json");
     let mut job = Job::start(&[
@@ -1317,6 +1317,20 @@ fn calibrate_on_two_ranks_measures_the_all_reduce() {
     assert_eq!(v["measured"]["ranks"], 2, "{}", v["measured"]);
     let points = v["measured"]["timings"]["allreduce"].as_array().unwrap();
     assert!(points.len() >= 2, "{points:?}");
+    // The ranks' spread on the same work: one excess per repetition, the spread fitted from
+    // them (absent from the profile only when it came out zero), and said.
+    let excess = v["measured"]["timings"]["rank_excess"].as_array().unwrap();
+    assert_eq!(excess.len(), 24, "{excess:?}");
+    assert!(
+        excess.iter().all(|x| x.as_f64().unwrap() >= 0.0),
+        "{excess:?}"
+    );
+    let spread = d.get("rank_spread").map_or(0.0, |x| x.as_f64().unwrap());
+    assert!((0.0..1.0).contains(&spread), "{spread}");
+    assert!(
+        out.contains("the same work started on 2 ranks at once"),
+        "{out}"
+    );
 }
 
 /// A rank that generates and streams the policy's log-probabilities but does not train it

@@ -764,14 +764,19 @@ fn calls_on_several_ranks_end_with_their_slowest() {
             let k = if t0.devices.len() > 1 { factor } else { 1.0 };
             match (&t0.work, &t1.work) {
                 (Work::Fixed { seconds: a }, Work::Fixed { seconds: b }) if t0.stage == "train" => {
-                    assert!((b - a * k).abs() <= 1e-12 + 1e-9 * a, "{}: {a} → {b}", t0.name);
+                    assert!(
+                        (b - a * k).abs() <= 1e-12 + 1e-9 * a,
+                        "{}: {a} → {b}",
+                        t0.name
+                    );
                     several += usize::from(t0.devices.len() > 1);
                 }
-                (
-                    Work::PerSample { per_sample: a, .. },
-                    Work::PerSample { per_sample: b, .. },
-                ) => {
-                    assert!((b - a * k).abs() <= 1e-15 + 1e-9 * a, "{}: {a} → {b}", t0.name);
+                (Work::PerSample { per_sample: a, .. }, Work::PerSample { per_sample: b, .. }) => {
+                    assert!(
+                        (b - a * k).abs() <= 1e-15 + 1e-9 * a,
+                        "{}: {a} → {b}",
+                        t0.name
+                    );
                     several += usize::from(t0.devices.len() > 1);
                 }
                 (a, b) if t0.stage != "train" => {

@@ -7,14 +7,16 @@
 //! replica `r` to kept replica `r mod kept`), and the released ranks' cores go to the streamed
 //! inference the plan placed on them. **Reallocation.** Before that, a kept replica (every
 //! replica, in a generation that does not migrate) that runs out of samples asks the replica
-//! holding the most for some; that one gives half when the cost model says splitting them
+//! offering the most for some; that one gives half when the cost model says splitting them
 //! pays (`Realloc::donation`).
 //!
 //! How the ranks agree without a collective over the world: every replica adds the samples it
-//! finishes to one counter in the run's store (`Store::add`) and keeps its load (samples held)
-//! in another; it reads the finished count back after any step in which it finished samples
-//! or holds no more than `R_t` itself (the global count can be at most `R_t` only then: every
-//! sample a replica holds is unfinished). A request for samples is a numbered entry on the
+//! finishes to one counter in the run's store (`Store::add`) and keeps its offer in another
+//! (the samples it would give an idle replica now, by the cost model: none near its end, so
+//! that replicas finishing together neither ask nor wait on each other); it reads the finished
+//! count back after any step in which it finished samples or holds no more than `R_t` itself
+//! (the global count can be at most `R_t` only then: every sample a replica holds is
+//! unfinished). A request for samples is a numbered entry on the
 //! donor's request counter, answered in the store with the count it gives (then the samples
 //! follow over the two replicas' group); a replica that stops taking requests adds a large
 //! constant to its counter, so that a request made after it is seen as refused and every one
@@ -83,7 +85,7 @@ impl Tail {
         format!("{}/done", self.key)
     }
 
-    /// Samples replica `r` holds (its load).
+    /// The samples replica `r` would give an idle replica now (its offer).
     fn load_key(&self, r: usize) -> String {
         format!("{}/load/{r}", self.key)
     }
@@ -354,7 +356,7 @@ struct Lead {
     declined: Vec<bool>,
     /// The request this replica waits on an answer to: the donor and the request's number.
     asking: Option<(usize, i64)>,
-    /// The load last written to the store.
+    /// The offer last written to the store.
     reported: i64,
     /// Takes no more requests.
     closed: bool,
@@ -366,16 +368,27 @@ struct Lead {
     unreported: usize,
     /// When the store was last looked at.
     looked: Instant,
+    /// How long the last look at the store took.
+    look_cost: Duration,
     /// Seconds this replica's last hand-over of samples took.
     handover: Option<f64>,
 }
 
-/// How often a decoding replica looks at the store (requests, loads, the finished count).
+/// How often a decoding replica looks at the store (requests, offers, the finished count), at
+/// most.
 const LOOK: Duration = Duration::from_millis(1);
+
+/// The share of a decoding replica's time its looks at the store may take, at most.
+const LOOK_SHARE: f64 = 0.05;
 
 impl Lead {
     /// Adds the samples finished since the last report to the world's count, and reads it.
+    /// Only a generation that migrates its tail counts (nothing else reads the count).
     fn report(&mut self, t: &Tail) -> Result<()> {
+        if t.threshold == 0 {
+            self.unreported = 0;
+            return Ok(());
+        }
         let done = t.counter.add(&t.done_key(), self.unreported as i64)?;
         self.unreported = 0;
         let global = t.total.saturating_sub(usize::try_from(done).unwrap_or(0));
@@ -387,7 +400,7 @@ impl Lead {
     }
 
     /// Takes no more requests: answers every one made before with nothing and clears the
-    /// load (every finished sample reported first).
+    /// offer (every finished sample reported first).
     fn close(&mut self, t: &Tail) -> Result<()> {
         if self.unreported > 0 {
             self.report(t)?;
@@ -416,17 +429,44 @@ impl Lead {
     ) -> Result<Action> {
         let local = engine.pending();
         self.unreported += finished;
-        // The store is looked at once per `LOOK` while decoding (a tiny model's decode step
-        // is shorter than a round trip to the store), and at every step near the threshold.
-        let look = self.looked.elapsed() >= LOOK || local <= t.threshold || local == 0;
+        // While decoding, the store is looked at no more often than once per `LOOK`, nor more
+        // often than keeps the looks within `LOOK_SHARE` of the replica's time (a tiny model's
+        // decode step is shorter than a round trip to the store, which now and then takes
+        // milliseconds on a busy host); at every step near the threshold and once out of
+        // samples.
+        let interval = LOOK.max(self.look_cost.mul_f64(1.0 / LOOK_SHARE - 1.0));
+        let look = self.looked.elapsed() >= interval || local <= t.threshold || local == 0;
         if !look {
             return Ok(Action::Step);
         }
+        let start = Instant::now();
+        let action = self.look(t, engine, local, tails_done);
         self.looked = Instant::now();
-        let load = local as i64;
-        if load != self.reported && !self.closed {
-            t.counter.add(&t.load_key(t.me), load - self.reported)?;
-            self.reported = load;
+        self.look_cost = self.looked.duration_since(start);
+        action
+    }
+
+    /// `decide`, once it looks at the store: `local` samples are still decoding here.
+    fn look(
+        &mut self,
+        t: &Tail,
+        engine: &Generation<'_>,
+        local: usize,
+        tails_done: bool,
+    ) -> Result<Action> {
+        // What this replica would give an idle one now: asked only where it would give
+        // some, an idle replica neither asks nor waits on one whose samples are nearly done.
+        let offer = match t.realloc.as_ref() {
+            Some(r) if local >= 2 && !self.closed => {
+                let measured = measured_step(engine.step_log());
+                let handover = self.handover.or(r.handover);
+                r.donation(local, &engine.running_lengths(), t.kv, measured, handover) as i64
+            }
+            _ => 0,
+        };
+        if offer != self.reported && !self.closed {
+            t.counter.add(&t.load_key(t.me), offer - self.reported)?;
+            self.reported = offer;
         }
         if self.unreported > 0 || local <= t.threshold {
             self.report(t)?;
@@ -491,14 +531,14 @@ impl Lead {
         if local > 0 {
             return Ok(Action::Step);
         }
-        // Out of samples: ask the replica holding the most (which gives some if the cost
-        // model says it pays).
+        // Out of samples: ask the replica offering the most (which gives some if the cost
+        // model, on its state when asked, still says it pays).
         if t.realloc.is_some() && t.asks {
             let mut busiest: Option<(usize, i64)> = None;
             for x in (0..t.replicas).filter(|&x| x != t.me && !self.declined[x]) {
-                let load = t.counter.add(&t.load_key(x), 0)?;
-                if load >= 2 && busiest.is_none_or(|b| load > b.1) {
-                    busiest = Some((x, load));
+                let offer = t.counter.add(&t.load_key(x), 0)?;
+                if offer >= 1 && busiest.is_none_or(|b| offer > b.1) {
+                    busiest = Some((x, offer));
                 }
             }
             if let Some((x, _)) = busiest {
@@ -725,6 +765,7 @@ pub(super) fn run(
         global: usize::MAX,
         unreported: 0,
         looked: Instant::now(),
+        look_cost: Duration::ZERO,
         handover: None,
     });
     let partners = t.partners();
