@@ -115,6 +115,7 @@ impl<'p> Executor<'p> {
         let metrics_path = self.options.run_dir.join("metrics.jsonl");
         let samples_path = self.options.run_dir.join("samples.jsonl");
         let mut tb = None;
+        let mut files = None;
         if self.writes() {
             std::fs::create_dir_all(&self.options.run_dir)
                 .map_err(|e| Error::file(&self.options.run_dir, format!("cannot create: {e}")))?;
@@ -154,21 +155,26 @@ impl<'p> Executor<'p> {
                 });
             }
         }
+        if let Some(tb) = tb.take() {
+            files = Some(StepFiles::start(&self.options.run_dir, tb)?);
+        }
         for step in self.first_step..self.total_steps {
             let (mine, lengths, prompts) = self.step(step)?;
-            let mut metrics = self.gather_metrics(mine)?;
-            self.write_timeline()?;
+            let (mut metrics, spans) = self.gather_step(mine)?;
             let evaluated = self.evaluates_at(step + 1);
             if evaluated {
                 metrics.extend(self.evaluate()?);
             }
             lengths_seen.extend(lengths);
             prompts_seen.extend(prompts);
-            if let Some(tb) = tb.as_mut() {
-                write_metrics(&metrics_path, tb, step + 1, &metrics)?;
-                for line in &self.last_samples {
-                    checkpoint::append_line(&samples_path, &line.to_string())?;
-                }
+            if let Some(files) = files.as_mut() {
+                files.send(FileJob::Step {
+                    step: step + 1,
+                    metrics: metrics.clone(),
+                    samples: self.last_samples.iter().map(|l| l.to_string()).collect(),
+                    spans,
+                    devices: self.comm.size.max(1),
+                })?;
                 on_event(Event::Step {
                     step: step + 1,
                     total: self.total_steps,
@@ -184,6 +190,11 @@ impl<'p> Executor<'p> {
             }
             let done = step + 1;
             if (every > 0 && done % every == 0) || done == self.total_steps {
+                // The metrics and samples of every step up to the checkpoint are on disk
+                // before it is: a run resumed from it keeps their lines.
+                if let Some(files) = files.as_mut() {
+                    files.flush()?;
+                }
                 let dir = self.checkpoint(done)?;
                 if self.writes() {
                     on_event(Event::Checkpoint {
@@ -192,6 +203,9 @@ impl<'p> Executor<'p> {
                     });
                 }
             }
+        }
+        if let Some(files) = files.as_mut() {
+            files.finish()?;
         }
         if self.writes() && !lengths_seen.is_empty() {
             checkpoint::write_atomic(
@@ -210,47 +224,39 @@ impl<'p> Executor<'p> {
         Ok(())
     }
 
-    /// Every rank's spans of the step just done, written by rank 0 as Chrome trace-event JSON
-    /// (`RUN_DIR/timeline.json`, the format `braid sim --trace` writes: one thread per rank):
-    /// the measured timeline of the run's latest step, which `braid report` shows beside the
-    /// simulated one.
-    fn write_timeline(&self) -> Result<()> {
-        let mine = serde_json::to_vec(&self.timeline)
-            .map_err(|e| Error::invalid("timeline", e.to_string()))?;
-        let all = self.comm.all_gather_bytes(mine)?;
-        if !self.writes() {
-            return Ok(());
-        }
-        let mut spans: Vec<Span> = Vec::new();
-        for part in all {
-            let s: Vec<Span> = serde_json::from_slice(&part)
-                .map_err(|e| Error::invalid("timeline", e.to_string()))?;
-            spans.extend(s);
-        }
-        let json = braid_cost::sim::spans_to_chrome_trace(&spans, self.comm.size.max(1));
-        checkpoint::write_atomic(&self.options.run_dir.join("timeline.json"), json.as_bytes())
-    }
-
     /// The step's metrics on rank 0, from every rank's: a rank reports what it computed (a
     /// training's metrics on its training ranks, identical there after their reductions;
     /// generation timings on generating ranks). Times and memory are the largest rank's, generated tokens
     /// per second the sum over ranks; every other value is the one the lowest rank reporting
     /// it has (every rank computes the same reward and KL from the same gathered values).
-    fn gather_metrics(&self, mine: BTreeMap<String, f64>) -> Result<BTreeMap<String, f64>> {
+    ///
+    /// With them, every rank's spans of the step (rank 0's copy; `None` elsewhere), in the same
+    /// exchange: the measured timeline of the run's latest step, which rank 0 writes to
+    /// `RUN_DIR/timeline.json` in the format `braid sim --trace` writes (one thread per rank)
+    /// and `braid report` shows beside the simulated one.
+    fn gather_step(
+        &self,
+        mine: BTreeMap<String, f64>,
+    ) -> Result<(BTreeMap<String, f64>, Option<Vec<Span>>)> {
         if self.comm.is_single() {
             let mut mine = mine;
             mine.remove("stream/hidden_s");
             mine.remove("stream/infer_s");
-            return Ok(mine);
+            return Ok((mine, Some(self.timeline.clone())));
         }
-        let bytes =
-            serde_json::to_vec(&mine).map_err(|e| Error::invalid("metrics", e.to_string()))?;
+        let bytes = serde_json::to_vec(&StepReport {
+            metrics: mine.into_iter().map(|(k, v)| (k, Some(v))).collect(),
+            spans: self.timeline.clone(),
+        })
+        .map_err(|e| Error::invalid("metrics", e.to_string()))?;
         let all = self.comm.all_gather_bytes(bytes)?;
         let mut out: BTreeMap<String, f64> = BTreeMap::new();
+        let mut spans: Vec<Span> = Vec::new();
         for part in all {
-            let m: BTreeMap<String, Option<f64>> = serde_json::from_slice(&part)
+            let r: StepReport = serde_json::from_slice(&part)
                 .map_err(|e| Error::invalid("metrics", e.to_string()))?;
-            for (k, v) in m {
+            spans.extend(r.spans);
+            for (k, v) in r.metrics {
                 let v = v.unwrap_or(f64::NAN);
                 match out.get_mut(&k) {
                     None => {
@@ -288,7 +294,7 @@ impl<'p> Executor<'p> {
         {
             out.insert("time/infer_hidden".into(), h / i);
         }
-        Ok(out)
+        Ok((out, self.writes().then_some(spans)))
     }
 
     /// Writes a checkpoint of every trained model: rank 0 opens a pending checkpoint, the
@@ -495,6 +501,122 @@ impl<'p> Executor<'p> {
 
 /// Appends one step's line to `metrics.jsonl` (non-finite values as `null`) and its scalars
 /// to TensorBoard.
+/// What each rank sends rank 0 after a step: its metrics (a non-finite value as `null`) and
+/// its timeline spans.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct StepReport {
+    metrics: BTreeMap<String, Option<f64>>,
+    spans: Vec<Span>,
+}
+
+/// A step's files, for [`StepFiles`].
+enum FileJob {
+    Step {
+        step: i64,
+        metrics: BTreeMap<String, f64>,
+        /// Lines of `samples.jsonl`.
+        samples: Vec<String>,
+        /// Every rank's spans of the step, for `timeline.json`.
+        spans: Option<Vec<Span>>,
+        devices: usize,
+    },
+    /// Answers once every job sent before it is written.
+    Flush(mpsc::Sender<()>),
+}
+
+/// Rank 0's files of each step — its lines of `metrics.jsonl`, TensorBoard's events and
+/// `samples.jsonl`, and `timeline.json` — written in order on a thread of their own, so that
+/// the next step does not wait for the disk (nor the other ranks for rank 0's writes). A
+/// write that fails ends the run at the next step, with the error naming the file; `flush`
+/// waits for everything sent (before a checkpoint), and `finish` (or dropping it, as a failed
+/// run does) for everything, then ends the thread.
+struct StepFiles {
+    tx: Option<mpsc::Sender<FileJob>>,
+    thread: Option<std::thread::JoinHandle<Result<()>>>,
+}
+
+impl StepFiles {
+    fn start(run_dir: &Path, tb: crate::exec::tensorboard::EventWriter) -> Result<StepFiles> {
+        let (tx, rx) = mpsc::channel::<FileJob>();
+        let metrics_path = run_dir.join("metrics.jsonl");
+        let samples_path = run_dir.join("samples.jsonl");
+        let timeline_path = run_dir.join("timeline.json");
+        let mut tb = tb;
+        let thread = std::thread::Builder::new()
+            .name("braid-run-files".into())
+            .spawn(move || -> Result<()> {
+                for job in rx {
+                    match job {
+                        FileJob::Step {
+                            step,
+                            metrics,
+                            samples,
+                            spans,
+                            devices,
+                        } => {
+                            write_metrics(&metrics_path, &mut tb, step, &metrics)?;
+                            for line in &samples {
+                                checkpoint::append_line(&samples_path, line)?;
+                            }
+                            if let Some(spans) = spans {
+                                let json = braid_cost::sim::spans_to_chrome_trace(&spans, devices);
+                                checkpoint::write_atomic(&timeline_path, json.as_bytes())?;
+                            }
+                        }
+                        FileJob::Flush(done) => {
+                            let _ = done.send(());
+                        }
+                    }
+                }
+                Ok(())
+            })
+            .map_err(|e| Error::invalid("run files", format!("cannot start their thread: {e}")))?;
+        Ok(StepFiles {
+            tx: Some(tx),
+            thread: Some(thread),
+        })
+    }
+
+    /// Queues a job; the error of a write that failed before, if one did.
+    fn send(&mut self, job: FileJob) -> Result<()> {
+        match self.tx.as_ref().map(|tx| tx.send(job)) {
+            Some(Ok(())) => Ok(()),
+            // The thread stopped: a write failed.
+            _ => self.finish(),
+        }
+    }
+
+    /// Waits until every job sent so far is written.
+    fn flush(&mut self) -> Result<()> {
+        let (done_tx, done_rx) = mpsc::channel();
+        self.send(FileJob::Flush(done_tx))?;
+        match done_rx.recv() {
+            Ok(()) => Ok(()),
+            Err(_) => self.finish(),
+        }
+    }
+
+    /// Writes everything sent and ends the thread: its first error, if a write failed.
+    fn finish(&mut self) -> Result<()> {
+        drop(self.tx.take());
+        match self.thread.take().map(|t| t.join()) {
+            None | Some(Ok(Ok(()))) => Ok(()),
+            Some(Ok(Err(e))) => Err(e),
+            Some(Err(_)) => Err(Error::invalid(
+                "run files",
+                "the thread writing metrics.jsonl, samples.jsonl and timeline.json panicked",
+            )),
+        }
+    }
+}
+
+impl Drop for StepFiles {
+    fn drop(&mut self) {
+        // A run that failed still writes the steps it completed.
+        let _ = self.finish();
+    }
+}
+
 fn write_metrics(
     path: &Path,
     tb: &mut crate::exec::tensorboard::EventWriter,
