@@ -237,7 +237,7 @@ impl<'p> Executor<'p> {
     fn gather_step(
         &self,
         mine: BTreeMap<String, f64>,
-    ) -> Result<(BTreeMap<String, f64>, Option<Vec<Span>>)> {
+    ) -> Result<(Metrics, Option<Vec<Span>>)> {
         if self.comm.is_single() {
             let mut mine = mine;
             mine.remove("stream/hidden_s");
@@ -501,6 +501,9 @@ impl<'p> Executor<'p> {
 
 /// Appends one step's line to `metrics.jsonl` (non-finite values as `null`) and its scalars
 /// to TensorBoard.
+/// A step's metrics by name.
+type Metrics = BTreeMap<String, f64>;
+
 /// What each rank sends rank 0 after a step: its metrics (a non-finite value as `null`) and
 /// its timeline spans.
 #[derive(serde::Serialize, serde::Deserialize)]
