@@ -234,10 +234,7 @@ impl<'p> Executor<'p> {
     /// exchange: the measured timeline of the run's latest step, which rank 0 writes to
     /// `RUN_DIR/timeline.json` in the format `braid sim --trace` writes (one thread per rank)
     /// and `braid report` shows beside the simulated one.
-    fn gather_step(
-        &self,
-        mine: BTreeMap<String, f64>,
-    ) -> Result<(Metrics, Option<Vec<Span>>)> {
+    fn gather_step(&self, mine: BTreeMap<String, f64>) -> Result<(Metrics, Option<Vec<Span>>)> {
         if self.comm.is_single() {
             let mut mine = mine;
             mine.remove("stream/hidden_s");
@@ -582,21 +579,26 @@ impl StepFiles {
 
     /// Queues a job; the error of a write that failed before, if one did.
     fn send(&mut self, job: FileJob) -> Result<()> {
-        match self.tx.as_ref().map(|tx| tx.send(job)) {
-            Some(Ok(())) => Ok(()),
-            // The thread stopped: a write failed.
-            _ => self.finish(),
+        let Some(tx) = self.tx.as_ref() else {
+            return Err(stopped());
+        };
+        if tx.send(job).is_ok() {
+            return Ok(());
         }
+        // The thread stopped: a write failed.
+        self.finish()?;
+        Err(stopped())
     }
 
     /// Waits until every job sent so far is written.
     fn flush(&mut self) -> Result<()> {
         let (done_tx, done_rx) = mpsc::channel();
         self.send(FileJob::Flush(done_tx))?;
-        match done_rx.recv() {
-            Ok(()) => Ok(()),
-            Err(_) => self.finish(),
+        if done_rx.recv().is_ok() {
+            return Ok(());
         }
+        self.finish()?;
+        Err(stopped())
     }
 
     /// Writes everything sent and ends the thread: its first error, if a write failed.
@@ -611,6 +613,14 @@ impl StepFiles {
             )),
         }
     }
+}
+
+/// A step's files sent after the thread writing them ended.
+fn stopped() -> Error {
+    Error::invalid(
+        "run files",
+        "metrics.jsonl, samples.jsonl and timeline.json are no longer written (an earlier write failed)",
+    )
 }
 
 impl Drop for StepFiles {
@@ -679,4 +689,53 @@ pub fn fingerprint(plan: &ExecPlan) -> String {
         h = h.wrapping_mul(0x0100_0000_01b3);
     }
     format!("{h:016x}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn step(n: i64) -> FileJob {
+        FileJob::Step {
+            step: n,
+            metrics: [("loss".to_string(), n as f64)].into_iter().collect(),
+            samples: vec![format!("{{\"step\":{n}}}")],
+            spans: Some(Vec::new()),
+            devices: 1,
+        }
+    }
+
+    #[test]
+    fn step_files_are_written_in_order_and_a_failed_write_is_reported_naming_the_file() {
+        let dir = std::env::temp_dir().join(format!("braid-files-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let tb = crate::exec::tensorboard::EventWriter::create(&dir.join("tensorboard")).unwrap();
+        let mut files = StepFiles::start(&dir, tb).unwrap();
+        for n in 1..=3 {
+            files.send(step(n)).unwrap();
+        }
+        files.flush().unwrap();
+        let lines: Vec<i64> = std::fs::read_to_string(dir.join("metrics.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| {
+                serde_json::from_str::<serde_json::Value>(l).unwrap()["step"]
+                    .as_i64()
+                    .unwrap()
+            })
+            .collect();
+        assert_eq!(lines, [1, 2, 3]);
+        assert!(dir.join("timeline.json").exists());
+        // samples.jsonl cannot be appended to: the run learns it at its next step or its end.
+        std::fs::remove_file(dir.join("samples.jsonl")).unwrap();
+        std::fs::create_dir(dir.join("samples.jsonl")).unwrap();
+        let failed = (4..=40).find_map(|n| files.send(step(n)).err());
+        let e = failed.map_or_else(|| files.finish().unwrap_err(), |e| e);
+        assert!(e.to_string().contains("samples.jsonl"), "{e}");
+        // Once failed, it stays failed.
+        assert!(files.send(step(41)).is_err());
+        assert!(files.flush().is_err());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }
