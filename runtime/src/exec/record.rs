@@ -731,7 +731,7 @@ mod tests {
         std::fs::remove_file(dir.join("samples.jsonl")).unwrap();
         std::fs::create_dir(dir.join("samples.jsonl")).unwrap();
         let failed = (4..=40).find_map(|n| files.send(step(n)).err());
-        let e = failed.map_or_else(|| files.finish().unwrap_err(), |e| e);
+        let e = failed.unwrap_or_else(|| files.finish().unwrap_err());
         assert!(e.to_string().contains("samples.jsonl"), "{e}");
         // Once failed, it stays failed.
         assert!(files.send(step(41)).is_err());
