@@ -118,18 +118,28 @@ struct Unexchanged {
 type Ungathered = BTreeMap<NodeId, Unexchanged>;
 
 /// The exchanges that reading `deps` waits for, in the runtime's order: each generation's
-/// (the rollout and the calls streamed under it, exchanged as the generation ends), then one
-/// of the inference calls read.
+/// (the rollout and the calls streamed under it, exchanged as the generation ends), then, when
+/// it reads an inference call not exchanged yet, one of every such call (the runtime exchanges
+/// them all at their first reader).
 fn exchanges_for(ungathered: &Ungathered, deps: &[NodeId]) -> Vec<Vec<NodeId>> {
     let mut generations: Vec<NodeId> = Vec::new();
-    let mut calls: Vec<NodeId> = Vec::new();
+    let mut reads_calls = false;
     for d in deps {
         match ungathered.get(d).map(|u| u.generation) {
             Some(Some(g)) if !generations.contains(&g) => generations.push(g),
-            Some(None) => calls.push(*d),
+            Some(None) => reads_calls = true,
             _ => {}
         }
     }
+    let calls: Vec<NodeId> = if reads_calls {
+        ungathered
+            .iter()
+            .filter(|(_, u)| u.generation.is_none())
+            .map(|(id, _)| *id)
+            .collect()
+    } else {
+        Vec::new()
+    };
     let mut out: Vec<Vec<NodeId>> = generations
         .iter()
         .map(|g| {

@@ -562,11 +562,15 @@ impl<'p> Executor<'p> {
                 continue;
             };
             let inputs = self.plan.graph.inputs(id);
-            let pending: Vec<NodeId> = inputs
-                .iter()
-                .copied()
-                .filter(|n| ungathered.contains_key(n))
-                .collect();
+            // A node that reads a call not exchanged yet waits for one exchange of every call
+            // not exchanged yet (each has run by now, and every rank holds the same list):
+            // the ones it does not read would otherwise cost an exchange of their own, and a
+            // wait for the other ranks, at their first reader.
+            let pending: Vec<NodeId> = if inputs.iter().any(|n| ungathered.contains_key(n)) {
+                ungathered.keys().copied().collect()
+            } else {
+                Vec::new()
+            };
             if !pending.is_empty() {
                 let t0 = t_step.elapsed().as_secs_f64();
                 self.gather_pending(&pending, &mut ungathered, &mut vals, (step, t_step))?;

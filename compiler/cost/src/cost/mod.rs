@@ -203,7 +203,8 @@ impl CostModel {
     /// An all-gather over the host network of `bytes` in all (every rank's share together)
     /// among `ranks` processes, as the runtime exchanges rollouts and inference rows between
     /// its ranks (Gloo over TCP, CPU tensors): every rank receives the others' `(n-1)/n` of
-    /// the bytes, plus one start-up latency. Priced only where the device is the host (the
+    /// the bytes, plus two start-up latencies (the runtime's exchange is two all-gathers: the
+    /// ranks' lengths, then their bytes). Priced only where the device is the host (the
     /// CPU), whose calibrated collective figures are those of the same Gloo groups; `None`
     /// on accelerators, whose collective figures are their own interconnect's, not the
     /// hosts' TCP.
@@ -213,7 +214,8 @@ impl CostModel {
         }
         let (bw, lat) = self.link(ranks);
         let n = ranks as f64;
-        Some((n - 1.0) / n * bytes / (bw * self.device.network_efficiency) + lat)
+        // Two collectives: the ranks' lengths, then their bytes.
+        Some((n - 1.0) / n * bytes / (bw * self.device.network_efficiency) + 2.0 * lat)
     }
 
     /// Weight bytes one device holds under `layout`.
@@ -872,9 +874,10 @@ mod tests {
         d.intra_node_bandwidth = 1e9;
         d.network_efficiency = 1.0;
         let c = CostModel::new(d, 2);
-        // Each of 2 ranks receives the other's half of 1 MB, after one latency.
+        // Each of 2 ranks receives the other's half of 1 MB, after two latencies (the
+        // lengths' all-gather, then the bytes').
         let t = c.host_allgather_time(1e6, 2).expect("priced on a CPU");
-        assert!((t - (0.5e6 / 1e9 + 500e-6)).abs() < 1e-12, "{t}");
+        assert!((t - (0.5e6 / 1e9 + 2.0 * 500e-6)).abs() < 1e-12, "{t}");
         assert_eq!(c.host_allgather_time(1e6, 1), None);
         assert_eq!(h100_node().host_allgather_time(1e6, 8), None);
     }
