@@ -56,8 +56,8 @@ const NEW_LONG: usize = 40;
 /// inference micro-batches run, and up to 64, as the quickstart's training micro-batch on one
 /// rank does: past the largest timed, a pass is priced by extrapolation, and with 16 sequences
 /// at most the quickstart's micro-batches of 32 and 64 were priced 10–15 % short of what they
-/// measured) and their lengths (several, so that the attention scores'
-/// term, which grows with the square of the length, separates from the per-token terms).
+/// measured) and their lengths (several, so that the attention scores' term, which grows with
+/// the square of the length, separates from the per-token terms).
 pub const PASS_SEQS: [u64; 4] = [1, 4, 16, 64];
 pub const PASS_LENS: [usize; 3] = [16, 48, 144];
 /// All-reduce sizes in bytes.

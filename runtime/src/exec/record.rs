@@ -234,7 +234,7 @@ impl<'p> Executor<'p> {
     /// exchange: the measured timeline of the run's latest step, which rank 0 writes to
     /// `RUN_DIR/timeline.json` in the format `braid sim --trace` writes (one thread per rank)
     /// and `braid report` shows beside the simulated one.
-    fn gather_step(&self, mine: BTreeMap<String, f64>) -> Result<(Metrics, Option<Vec<Span>>)> {
+    fn gather_step(&self, mine: Metrics) -> Result<(Metrics, Option<Vec<Span>>)> {
         if self.comm.is_single() {
             let mut mine = mine;
             mine.remove("stream/hidden_s");
@@ -513,7 +513,7 @@ struct StepReport {
 enum FileJob {
     Step {
         step: i64,
-        metrics: BTreeMap<String, f64>,
+        metrics: Metrics,
         /// Lines of `samples.jsonl`.
         samples: Vec<String>,
         /// Every rank's spans of the step, for `timeline.json`.
@@ -536,12 +536,11 @@ struct StepFiles {
 }
 
 impl StepFiles {
-    fn start(run_dir: &Path, tb: crate::exec::tensorboard::EventWriter) -> Result<StepFiles> {
+    fn start(run_dir: &Path, mut tb: crate::exec::tensorboard::EventWriter) -> Result<StepFiles> {
         let (tx, rx) = mpsc::channel::<FileJob>();
         let metrics_path = run_dir.join("metrics.jsonl");
         let samples_path = run_dir.join("samples.jsonl");
         let timeline_path = run_dir.join("timeline.json");
-        let mut tb = tb;
         let thread = std::thread::Builder::new()
             .name("braid-run-files".into())
             .spawn(move || -> Result<()> {
