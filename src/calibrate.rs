@@ -124,7 +124,7 @@ fn calibrate_here(args: &Args) -> Result<Option<String>, (String, u8)> {
     let d = &profile.device;
     let o = &d.overheads;
     let mut s = format!(
-        "wrote {} in {:.1} s\n  matmul {:.2}–{:.2} GFLOP/s over {} shapes; memory {:.1} GB/s\n  decode step: {:.0} µs + {:.0} µs per layer + {:.1} µs per row + {:.1} µs per row, layer and 1,000 units of width\n  forward: {:.0} µs + {:.0} µs per layer + {:.2} µs per token + {:.2} µs per token, layer and 1,000 units of width + {:.2} µs per 1,000 attention scores and layer (prefill {:.0} µs + {:.2} µs per token + {:.2} µs per token, layer and 1,000 units of width more)\n  backward: {:.0} µs + {:.0} µs per layer + {:.2} µs per token + {:.2} µs per token, layer and 1,000 units of width + {:.2} µs per 1,000 attention scores and layer\n  optimizer step: {:.0} µs + {:.0} µs per layer",
+        "wrote {} in {:.1} s\n  matmul {:.2}–{:.2} GFLOP/s over {} shapes{}; memory {:.1} GB/s\n  decode step: {:.0} µs + {:.0} µs per layer + {:.1} µs per row + {:.1} µs per row, layer and 1,000 units of width + {:.2} µs per row, layer, cached token and 1,000 units of key-value width\n  forward: {:.0} µs + {:.0} µs per layer + {:.2} µs per token + {:.2} µs per token, layer and 1,000 units of width + {:.2} µs per 1,000 attention scores and layer (prefill {:.0} µs + {:.2} µs per prompt token + {:.2} µs per prompt token, layer and 1,000 units of width + {:.1} µs per sample more)\n  backward: {:.0} µs + {:.0} µs per layer + {:.2} µs per token + {:.2} µs per token, layer and 1,000 units of width + {:.2} µs per 1,000 attention scores and layer\n  optimizer step: {:.0} µs + {:.0} µs per layer",
         args.out.display(),
         start.elapsed().as_secs_f64(),
         d.matmul
@@ -134,11 +134,25 @@ fn calibrate_here(args: &Args) -> Result<Option<String>, (String, u8)> {
             / 1e9,
         d.peak_flops / 1e9,
         d.matmul.len(),
+        if d.step_matmul.is_empty() {
+            String::new()
+        } else {
+            format!(
+                " (the engine's cached steps' products, Braid's kernel: {:.2}–{:.2})",
+                d.step_matmul
+                    .iter()
+                    .map(|r| r.flops)
+                    .fold(f64::INFINITY, f64::min)
+                    / 1e9,
+                d.step_matmul.iter().map(|r| r.flops).fold(0.0, f64::max) / 1e9
+            )
+        },
         d.mem_bandwidth / 1e9,
         o.decode_step * 1e6,
         d.decode_layer_overhead * 1e6,
         o.decode_row * 1e6,
         o.decode_row_layer * 1e9,
+        o.decode_cache * 1e9,
         o.forward * 1e6,
         o.forward_layer * 1e6,
         o.forward_token * 1e6,
@@ -147,6 +161,7 @@ fn calibrate_here(args: &Args) -> Result<Option<String>, (String, u8)> {
         o.prefill * 1e6,
         o.prefill_token * 1e6,
         o.prefill_token_layer * 1e9,
+        o.prefill_sample * 1e6,
         o.microbatch * 1e6,
         o.backward_layer * 1e6,
         o.backward_token * 1e6,

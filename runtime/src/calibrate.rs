@@ -45,11 +45,25 @@ pub const LAYERS: [u64; 2] = [1, 3];
 /// element-wise terms are fitted per unit of width over both.
 pub const HIDDENS: [u64; 2] = [64, 128];
 const HEADS: u64 = 4;
-const KV_HEADS: u64 = 2;
+/// Key-value heads of the tiny model of each width: grouped-query attention at width 64 (2,
+/// as Llama models have), one per head at width 128 (as the examples' tiny models have), so
+/// that a decode step's attention over the cache, which reads the key-value width, separates
+/// from its terms in the width.
+fn kv_heads(hidden: u64) -> u64 {
+    if hidden >= 128 { HEADS } else { 2 }
+}
+
 /// Decode measurements: running rows, prompt length, and the two completion lengths whose
 /// difference is the steps' time.
 pub const DECODE_ROWS: [u64; 3] = [4, 16, 32];
 pub const PROMPT_LEN: usize = 8;
+/// Prompt lengths the prefill and the decode steps are timed after (one sample per prompt,
+/// [`DECODE_ROWS`] prompts): two, so that what the engine's prefill spends per sample (its
+/// first token, its cache rows) separates from what it spends per prompt token, and a decode
+/// step's attention over the cache from its other terms; at one length each pair is the same
+/// feature of the fit. The examples' prompts run from 7 (the quickstart) to 108 tokens
+/// (`chat_tiny`).
+pub const PREFILL_LENS: [usize; 2] = [PROMPT_LEN, 64];
 const NEW_SHORT: usize = 8;
 const NEW_LONG: usize = 40;
 /// Inference and training measurements: sequences per pass (down to one, as the examples'
@@ -90,9 +104,11 @@ pub struct PassPoint {
 /// The timings of each pass kind on the tiny models, over [`LAYERS`] and two row counts.
 #[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct PassTimes {
-    /// Seconds per decode step (from the difference of two completion lengths).
+    /// Seconds per decode step (from the difference of two completion lengths) after prompts
+    /// of `len` tokens (0: [`PROMPT_LEN`]).
     pub decode_step: Vec<PassPoint>,
-    /// Seconds of the prefill (the short generation less its steps).
+    /// Seconds of the prefill: a generation of one token from `rows` prompts of `len` tokens
+    /// (`len` 0: [`PROMPT_LEN`]).
     pub prefill: Vec<PassPoint>,
     /// Seconds of one inference forward over `rows` sequences of `len` tokens ([`PASS_LENS`]).
     pub forward: Vec<PassPoint>,
@@ -106,6 +122,10 @@ pub struct PassTimes {
 #[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Measurements {
     pub matmul: Vec<MatmulRate>,
+    /// The same shapes through Braid's own product kernel, which the engine's cached steps
+    /// (prefill, decode) multiply with on a CPU in f32 (empty elsewhere).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub step_matmul: Vec<MatmulRate>,
     /// Bytes per second read by a reduction over a large buffer.
     pub mem_bandwidth: f64,
     pub passes: PassTimes,
@@ -141,7 +161,7 @@ pub fn tiny_config(hidden: u64, layers: u64) -> TinyConfig {
         layers: layers as i64,
         hidden: hidden as i64,
         heads: HEADS as i64,
-        kv_heads: KV_HEADS as i64,
+        kv_heads: kv_heads(hidden) as i64,
         intermediate: 4 * hidden as i64,
         ..TinyConfig::default()
     }
@@ -153,7 +173,7 @@ pub fn tiny_shape(hidden: u64, layers: u64) -> Result<ModelShape> {
         layers,
         hidden,
         HEADS,
-        Some(KV_HEADS),
+        Some(kv_heads(hidden)),
         Some(4 * hidden),
         BYTE_VOCAB,
     )
@@ -182,6 +202,33 @@ pub fn measure(options: &Options, group: Option<&ProcessGroup>) -> Result<Measur
             });
         }
     }
+    // The engine's cached steps (prefill, decode) on a CPU in f32 multiply with Braid's kernel
+    // (the host step, `kernels::step`), at rates of their own: the same shapes through it.
+    let mut step_matmul = Vec::new();
+    if options.device == Device::Cpu && options.kind == Kind::Float {
+        for &width in &MATMUL_WIDTHS {
+            let n = width as usize;
+            let w: Vec<f32> = (0..n * n)
+                .map(|i| ((i * 7919) % 1000) as f32 * 1e-3)
+                .collect();
+            for &rows in &MATMUL_ROWS {
+                let m = rows as usize;
+                let x: Vec<f32> = (0..m * n)
+                    .map(|i| ((i * 104_729) % 1000) as f32 * 1e-3)
+                    .collect();
+                let mut out = vec![0f32; m * n];
+                let secs = time(options.min_seconds, || {
+                    crate::kernels::gemm::product(&x, &w, None, m, n, n, &mut out);
+                    Ok(())
+                })?;
+                step_matmul.push(MatmulRate {
+                    rows,
+                    width,
+                    flops: 2.0 * (rows * width * width) as f64 / secs,
+                });
+            }
+        }
+    }
     // 256 MiB of f32: far beyond any cache, read once per repetition.
     let big = Tensor::ones([64 << 20], (Kind::Float, options.device));
     let secs = time(options.min_seconds, || {
@@ -199,6 +246,7 @@ pub fn measure(options: &Options, group: Option<&ProcessGroup>) -> Result<Measur
     }
     let mut m = Measurements {
         matmul,
+        step_matmul,
         mem_bandwidth,
         passes,
         allreduce: Vec::new(),
@@ -251,14 +299,16 @@ fn measure_passes(options: &Options, hidden: u64, layers: u64, out: &mut PassTim
         options.device,
     )?;
     for rows in DECODE_ROWS {
-        let prompts: Vec<Vec<i64>> = (0..rows as usize)
-            .map(|p| {
-                (0..PROMPT_LEN)
-                    .map(|t| 3 + ((p * 31 + t * 7) % 200) as i64)
-                    .collect()
-            })
-            .collect();
-        let gen_time = |new: usize| -> Result<f64> {
+        let prompts = |len: usize| -> Vec<Vec<i64>> {
+            (0..rows as usize)
+                .map(|p| {
+                    (0..len)
+                        .map(|t| 3 + ((p * 31 + t * 7) % 200) as i64)
+                        .collect()
+                })
+                .collect()
+        };
+        let gen_time = |prompts: &[Vec<i64>], new: usize| -> Result<f64> {
             let params = SamplingParams {
                 max_new_tokens: new,
                 // Sampled at temperature 1, as training rollouts are.
@@ -270,7 +320,7 @@ fn measure_passes(options: &Options, hidden: u64, layers: u64, out: &mut PassTim
                 let samples = generate(
                     &model,
                     &tokenizer,
-                    prompts.clone(),
+                    prompts.to_vec(),
                     params.clone(),
                     EngineOptions::default(),
                 )?;
@@ -283,28 +333,33 @@ fn measure_passes(options: &Options, hidden: u64, layers: u64, out: &mut PassTim
                 Ok(())
             })
         };
-        let short = gen_time(NEW_SHORT)?;
-        let long = gen_time(NEW_LONG)?;
-        let step = ((long - short) / (NEW_LONG - NEW_SHORT) as f64).max(0.0);
+        // Decode steps after prompts of two lengths: attention over the cache grows with it.
+        for len in PREFILL_LENS {
+            let short = gen_time(&prompts(len), NEW_SHORT)?;
+            let long = gen_time(&prompts(len), NEW_LONG)?;
+            let step = ((long - short) / (NEW_LONG - NEW_SHORT) as f64).max(0.0);
+            out.decode_step.push(PassPoint {
+                hidden,
+                layers,
+                rows,
+                len: len as u64,
+                secs: step,
+            });
+        }
         // The prefill, timed on its own: a generation of one token per prompt (the prompts'
         // forward, the first token sampled from it, the engine's work per sample). Taking it
         // as what the generations above leave after their steps subtracts two noisy timings
         // and came out anywhere from zero to ten times this.
-        let prefill = gen_time(1)?;
-        out.decode_step.push(PassPoint {
-            hidden,
-            layers,
-            rows,
-            len: 0,
-            secs: step,
-        });
-        out.prefill.push(PassPoint {
-            hidden,
-            layers,
-            rows,
-            len: 0,
-            secs: prefill,
-        });
+        for len in PREFILL_LENS {
+            let secs = gen_time(&prompts(len), 1)?;
+            out.prefill.push(PassPoint {
+                hidden,
+                layers,
+                rows,
+                len: len as u64,
+                secs,
+            });
+        }
     }
     let mut optimizer = AdamW::new(&model, optimizer_config())?;
     for len in PASS_LENS {
@@ -508,7 +563,12 @@ fn optimizer_config() -> braid_ir::graph::Optimizer {
 
 /// Replaces every rank's compute figures by their mean over the ranks.
 fn average_over(g: &ProcessGroup, m: &mut Measurements) -> Result<()> {
-    let mut flat: Vec<f64> = m.matmul.iter().map(|r| r.flops).collect();
+    let mut flat: Vec<f64> = m
+        .matmul
+        .iter()
+        .chain(&m.step_matmul)
+        .map(|r| r.flops)
+        .collect();
     flat.push(m.mem_bandwidth);
     let p = &m.passes;
     for v in [
@@ -524,7 +584,7 @@ fn average_over(g: &ProcessGroup, m: &mut Measurements) -> Result<()> {
     g.all_reduce(&mut t, ReduceOp::Avg)?;
     let flat: Vec<f64> = Vec::<f64>::try_from(&t).map_err(Error::Torch)?;
     let mut it = flat.into_iter();
-    for r in &mut m.matmul {
+    for r in m.matmul.iter_mut().chain(m.step_matmul.iter_mut()) {
         r.flops = it.next().unwrap_or(r.flops);
     }
     m.mem_bandwidth = it.next().unwrap_or(m.mem_bandwidth);
@@ -662,6 +722,7 @@ fn non_negative_least_squares(rows: &[(Vec<f64>, f64)]) -> Option<Vec<f64>> {
 pub fn fit(base: &DeviceSpec, m: &Measurements) -> Result<DeviceSpec> {
     let mut d = base.clone();
     d.matmul = m.matmul.clone();
+    d.step_matmul = m.step_matmul.clone();
     let peak = m.matmul.iter().map(|r| r.flops).fold(0.0, f64::max);
     if peak > 0.0 {
         d.peak_flops = peak;
@@ -687,8 +748,8 @@ pub fn fit(base: &DeviceSpec, m: &Measurements) -> Result<DeviceSpec> {
     let grid = HIDDENS.len() * LAYERS.len() * DECODE_ROWS.len();
     let passes = HIDDENS.len() * LAYERS.len() * PASS_SEQS.len() * PASS_LENS.len();
     for (v, what, n) in [
-        (&p.decode_step, "decode", grid),
-        (&p.prefill, "prefill", grid),
+        (&p.decode_step, "decode", grid * PREFILL_LENS.len()),
+        (&p.prefill, "prefill", grid * PREFILL_LENS.len()),
         (&p.forward, "forward", passes),
         (&p.train_microbatch, "training", passes),
         (&p.optimizer, "optimizer", HIDDENS.len() * LAYERS.len()),
@@ -716,12 +777,17 @@ pub fn fit(base: &DeviceSpec, m: &Measurements) -> Result<DeviceSpec> {
         non_negative_least_squares(&rows)
             .ok_or_else(|| Error::invalid("calibrate", format!("the {what} timings do not fit")))
     };
-    let context = (PROMPT_LEN + (NEW_SHORT + NEW_LONG) / 2) as u64;
     let mut rows = Vec::new();
     for q in &p.decode_step {
+        let context = decode_context(q);
         let roof = cost.decode_step_time(&shape(q)?, one, q.rows, context);
         let (l, b, h) = (q.layers as f64, q.rows as f64, q.hidden as f64);
-        rows.push(relative(vec![1.0, l, b, l * b * h], q.secs - roof, q.secs));
+        let kv = (kv_heads(q.hidden) * q.hidden / HEADS) as f64;
+        rows.push(relative(
+            vec![1.0, l, b, l * b * h, l * b * context as f64 * kv],
+            q.secs - roof,
+            q.secs,
+        ));
     }
     let c = fitted(rows, "decode")?;
     d.decode_layer_overhead = c[1];
@@ -729,6 +795,7 @@ pub fn fit(base: &DeviceSpec, m: &Measurements) -> Result<DeviceSpec> {
         decode_step: c[0],
         decode_row: c[2],
         decode_row_layer: c[3],
+        decode_cache: c[4],
         ..Overheads::default()
     };
     let tokens = |q: &PassPoint| (q.rows * q.len) as f64;
@@ -754,20 +821,30 @@ pub fn fit(base: &DeviceSpec, m: &Measurements) -> Result<DeviceSpec> {
         o.forward_score,
     ) = (c[0], c[1], c[2], c[3], c[4]);
     // The prefill is a forward over the prompts: what is left after its forward terms is a
-    // fixed part, a part per token and one per token, layer and unit of width (the engine's
-    // cached-step kernels, its per-sample state: fitted, not averaged, or a prefill of a few
-    // rows is priced like one of many).
+    // fixed part, a part per token, one per token, layer and unit of width (the engine's
+    // cached-step kernels) and one per sample (its first token, its cache rows): fitted, not
+    // averaged, or a prefill of a few rows is priced like one of many.
     let mut rows = Vec::new();
     for q in &p.prefill {
-        let roof = cost.prefill_time(&shape(q)?, one, q.rows, PROMPT_LEN as u64);
-        let t = (q.rows as usize * PROMPT_LEN) as f64;
-        let s = attention_scores(&shape(q)?, one, q.rows as f64, PROMPT_LEN as u64);
+        let len = prefill_len(q);
+        let roof = cost.prefill_time(&shape(q)?, one, q.rows, len);
+        let t = (q.rows * len) as f64;
+        let s = attention_scores(&shape(q)?, one, q.rows as f64, len);
         let left = q.secs - roof - o.forward_terms(q.layers as f64, t, q.hidden as f64, s);
         let (l, h) = (q.layers as f64, q.hidden as f64);
-        rows.push(relative(vec![1.0, t, l * t * h], left, q.secs));
+        rows.push(relative(
+            vec![1.0, t, l * t * h, q.rows as f64],
+            left,
+            q.secs,
+        ));
     }
     let c = fitted(rows, "prefill")?;
-    (o.prefill, o.prefill_token, o.prefill_token_layer) = (c[0], c[1], c[2]);
+    (
+        o.prefill,
+        o.prefill_token,
+        o.prefill_token_layer,
+        o.prefill_sample,
+    ) = (c[0], c[1], c[2], c[3]);
     // A micro-batch: its forward (with the forward's terms) and its backward.
     let mut rows = Vec::new();
     for q in &p.train_microbatch {
@@ -804,6 +881,17 @@ pub fn fit(base: &DeviceSpec, m: &Measurements) -> Result<DeviceSpec> {
     Ok(d)
 }
 
+/// The mean context of a decode timing's steps: its prompt and half its completions.
+fn decode_context(q: &PassPoint) -> u64 {
+    prefill_len(q) + ((NEW_SHORT + NEW_LONG) / 2) as u64
+}
+
+/// The prompt length of a prefill timing (`len` 0, as written before prefills were timed at
+/// several lengths: [`PROMPT_LEN`]).
+fn prefill_len(q: &PassPoint) -> u64 {
+    if q.len == 0 { PROMPT_LEN as u64 } else { q.len }
+}
+
 /// How closely a fitted `spec` prices the timings it was fitted on, per pass kind: the kind,
 /// how many timings, the median and the largest relative error (predicted over measured, less
 /// one, in absolute value).
@@ -814,7 +902,6 @@ pub fn fit_errors(
     let cost = CostModel::new(spec.clone(), 1).for_dtype(4);
     let one = Layout::SINGLE;
     let shape = |q: &PassPoint| tiny_shape(q.hidden, q.layers);
-    let context = (PROMPT_LEN + (NEW_SHORT + NEW_LONG) / 2) as u64;
     let p = &m.passes;
     let mut out = Vec::new();
     let mut kind = |name: &'static str,
@@ -833,10 +920,10 @@ pub fn fit_errors(
         Ok(())
     };
     kind("decode steps", &p.decode_step, &|q| {
-        Ok(cost.decode_step_time(&shape(q)?, one, q.rows, context))
+        Ok(cost.decode_step_time(&shape(q)?, one, q.rows, decode_context(q)))
     })?;
     kind("prefills", &p.prefill, &|q| {
-        Ok(cost.prefill_time(&shape(q)?, one, q.rows, PROMPT_LEN as u64))
+        Ok(cost.prefill_time(&shape(q)?, one, q.rows, prefill_len(q)))
     })?;
     kind("forwards", &p.forward, &|q| {
         Ok(cost.forward_time(&shape(q)?, one, q.rows, q.len))
@@ -884,9 +971,11 @@ mod tests {
             decode_step: 300e-6,
             decode_row: 7e-6,
             decode_row_layer: 0.02e-6,
+            decode_cache: 0.003e-6,
             prefill: 500e-6,
             prefill_token: 2e-6,
             prefill_token_layer: 0.01e-6,
+            prefill_sample: 9e-6,
             forward: 800e-6,
             forward_layer: 60e-6,
             forward_token: 0.3e-6,
@@ -902,7 +991,6 @@ mod tests {
         };
         let cost = CostModel::new(truth.clone(), 1).for_dtype(4);
         let one = Layout::SINGLE;
-        let ctx = (PROMPT_LEN + (NEW_SHORT + NEW_LONG) / 2) as u64;
         let mut p = PassTimes::default();
         for (&hidden, &layers) in HIDDENS
             .iter()
@@ -917,13 +1005,13 @@ mod tests {
                 secs,
             };
             for rows in DECODE_ROWS {
-                p.decode_step
-                    .push(pt(rows, 0, cost.decode_step_time(&s, one, rows, ctx)));
-                p.prefill.push(pt(
-                    rows,
-                    0,
-                    cost.prefill_time(&s, one, rows, PROMPT_LEN as u64),
-                ));
+                for len in PREFILL_LENS.map(|l| l as u64) {
+                    let ctx = len + ((NEW_SHORT + NEW_LONG) / 2) as u64;
+                    p.decode_step
+                        .push(pt(rows, len, cost.decode_step_time(&s, one, rows, ctx)));
+                    p.prefill
+                        .push(pt(rows, len, cost.prefill_time(&s, one, rows, len)));
+                }
             }
             for len in PASS_LENS.map(|l| l as u64) {
                 for rows in PASS_SEQS {
@@ -938,6 +1026,7 @@ mod tests {
             p.optimizer.push(pt(0, 0, t.optimizer));
         }
         let m = Measurements {
+            step_matmul: Vec::new(),
             matmul: MATMUL_WIDTHS
                 .iter()
                 .flat_map(|&width| {
@@ -963,6 +1052,7 @@ mod tests {
             ("decode_step", o.decode_step, t.decode_step),
             ("decode_row", o.decode_row, t.decode_row),
             ("decode_row_layer", o.decode_row_layer, t.decode_row_layer),
+            ("decode_cache", o.decode_cache, t.decode_cache),
             ("prefill", o.prefill, t.prefill),
             ("prefill_token", o.prefill_token, t.prefill_token),
             (
@@ -970,6 +1060,7 @@ mod tests {
                 o.prefill_token_layer,
                 t.prefill_token_layer,
             ),
+            ("prefill_sample", o.prefill_sample, t.prefill_sample),
             ("forward", o.forward, t.forward),
             ("forward_layer", o.forward_layer, t.forward_layer),
             ("forward_token", o.forward_token, t.forward_token),

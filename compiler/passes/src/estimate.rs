@@ -21,6 +21,8 @@ use crate::prng::Rng;
 pub struct CallSize {
     /// Sequences in the call's rollout (prompts × samples per prompt).
     pub samples: u64,
+    /// Samples per prompt (`n` of the `generate`): they share the prompt's prefill.
+    pub per_prompt: u64,
     pub prompt_len: u64,
     /// The generation limit of the rollout.
     pub max_new: u64,
@@ -105,6 +107,7 @@ fn size_of(a: &Annotated, id: NodeId, lengths: bool) -> Option<CallSize> {
     };
     Some(CallSize {
         samples,
+        per_prompt: params.n.max(1) as u64,
         prompt_len,
         max_new,
         lengths,
@@ -167,12 +170,14 @@ pub fn sample_lengths(a: &Annotated, gen_id: NodeId, samples: u64, max_new: u64)
 /// for Braid's engine, `None` for no limit), the rest prefilled and admitted as rows free (continuous
 /// batching); once none wait, lock-step (the live batch shrinks as samples finish). An
 /// instance with pipeline stages decodes as [`CostModel::pipelined_decode_step_time`] says.
+/// The samples come `per_prompt` to a prompt, which each admission prefills once.
 pub fn instance_generate_time(
     cost: &CostModel,
     shape: &ModelShape,
     layout: Layout,
     lengths: &[u64],
     prompt_len: u64,
+    per_prompt: u64,
     max_batch: Option<u64>,
 ) -> f64 {
     if lengths.is_empty() {
@@ -189,7 +194,7 @@ pub fn instance_generate_time(
         n as u64
     };
     let n = admit(&mut running, &mut waiting);
-    t += cost.pipelined_prefill_time(shape, layout, n, prompt_len);
+    t += cost.pipelined_shared_prefill_time(shape, layout, n, prompt_len, per_prompt);
     while !waiting.is_empty() {
         let live = running.len() as u64;
         let ctx = running.iter().map(|r| r.1).sum::<u64>() / live.max(1);
@@ -201,7 +206,7 @@ pub fn instance_generate_time(
         running.retain(|r| r.0 > 0);
         let n = admit(&mut running, &mut waiting);
         if n > 0 {
-            t += cost.pipelined_prefill_time(shape, layout, n, prompt_len);
+            t += cost.pipelined_shared_prefill_time(shape, layout, n, prompt_len, per_prompt);
         }
     }
     // Nothing waits: lock-step over what runs.
@@ -244,6 +249,7 @@ pub fn generate_time(
             inst,
             &mine,
             size.prompt_len,
+            size.per_prompt,
             max_batch,
         ));
     }
@@ -1002,6 +1008,7 @@ mod tests {
     fn size(prompts: Vec<u64>, lengths: Vec<u64>) -> CallSize {
         let mean = lengths.iter().sum::<u64>() / lengths.len().max(1) as u64;
         CallSize {
+            per_prompt: 1,
             samples: lengths.len() as u64,
             prompt_len: 10,
             max_new: 100,

@@ -342,6 +342,7 @@ fn build_dag(
             match &node.op {
                 Op::Generate { .. } => Work::Generate(Box::new(GenerateSpec {
                     samples: size.samples,
+                    samples_per_prompt: size.per_prompt,
                     prompt_len: size.prompt_len,
                     instances: p.dp.max(1),
                     lengths: clip_lengths(&a.workload.lengths, size.max_new),

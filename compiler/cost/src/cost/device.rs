@@ -120,6 +120,7 @@ fn gpu(kind: DeviceKind, flops: f64, hbm: f64, mem_gb: u64, nvlink: f64, net: f6
         // factors above stand for every shape, and `braid calibrate` measures the rest.
         overheads: Overheads::default(),
         matmul: Vec::new(),
+        step_matmul: Vec::new(),
         host_decode: None,
         host_cores: None,
         rank_spread: 0.0,
@@ -152,6 +153,11 @@ pub struct Overheads {
     /// Per running row, layer and unit of the hidden size of a decode step (the row's
     /// element-wise work: norms, activations, attention and cache updates).
     pub decode_row_layer: f64,
+    /// Per running row, layer, cached token and unit of the KV width (key-value heads × head
+    /// dimension) of a decode step: attention over the row's cache, whose keys and values the
+    /// step reads and scores (the roofline counts their bytes and FLOPs at the device's rates;
+    /// the host's attention kernel runs far below them on tiny heads).
+    pub decode_cache: f64,
     /// Per prefill pass over a batch of prompts, beyond its forward terms.
     pub prefill: f64,
     /// Per prompt token of a prefill pass, beyond its forward terms: the engine's work per
@@ -161,6 +167,10 @@ pub struct Overheads {
     /// forward terms (the engine prefills through its cached-step kernels, which cost far more
     /// per token than a whole-sequence forward).
     pub prefill_token_layer: f64,
+    /// Per sample admitted by a prefill, beyond its prompt's tokens: its first token chosen
+    /// from the prompt's logits, its cache rows copied from the prompt's. The samples of one
+    /// prompt (`n` of a `generate`) share its prefill and pay this each.
+    pub prefill_sample: f64,
     /// Per forward pass (an inference chunk), beyond its layers.
     pub forward: f64,
     /// Per layer of a forward pass (inference, prefill, a training micro-batch's forward).
@@ -214,9 +224,20 @@ impl Overheads {
     }
 
     /// A decode step's terms over `layers` layers of width `hidden` and `rows` running rows
-    /// (beyond the device's `decode_layer_overhead`).
-    pub fn decode_terms(&self, layers: f64, rows: f64, hidden: f64) -> f64 {
-        self.decode_step + rows * self.decode_row + layers * rows * hidden * self.decode_row_layer
+    /// attending to `context` cached tokens each over `kv_width` key-value units (beyond the
+    /// device's `decode_layer_overhead`).
+    pub fn decode_terms(
+        &self,
+        layers: f64,
+        rows: f64,
+        hidden: f64,
+        context: f64,
+        kv_width: f64,
+    ) -> f64 {
+        self.decode_step
+            + rows * self.decode_row
+            + layers * rows * hidden * self.decode_row_layer
+            + layers * rows * context * kv_width * self.decode_cache
     }
 }
 
@@ -247,6 +268,13 @@ pub struct DeviceSpec {
     /// compute_efficiency` for every shape.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub matmul: Vec<MatmulRate>,
+    /// Achieved FLOP/s of the generation engine's cached steps' products (prefill and decode)
+    /// by shape: on a CPU in f32 the host step (`runtime/src/kernels/step.rs`) multiplies
+    /// them with Braid's own kernel (`runtime/src/kernels/gemm.rs`), not libtorch's matmul,
+    /// and `braid calibrate` times that kernel on the `matmul` table's shapes; empty: the
+    /// `matmul` table.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub step_matmul: Vec<MatmulRate>,
     /// A generation engine that launches every kernel of a decode step from the host (no
     /// CUDA graphs) and waits for the device at every step, so that at small batches a step
     /// takes the host's time rather than the device's; `None`: the device's time
@@ -340,6 +368,7 @@ impl DeviceSpec {
             reserved_memory: GIB / 2,
             overheads: Overheads::default(),
             matmul: Vec::new(),
+            step_matmul: Vec::new(),
             host_decode: None,
             host_cores: None,
             rank_spread: 0.0,
@@ -356,26 +385,37 @@ impl DeviceSpec {
     /// measured shapes of [`DeviceSpec::matmul`] (clamped at the edges of the measured grid),
     /// [`DeviceSpec::effective_flops`] when nothing was measured.
     pub fn flops_at(&self, rows: f64, width: u64) -> f64 {
-        if self.matmul.is_empty() {
-            return self.effective_flops();
-        }
-        let mut widths: Vec<u64> = self.matmul.iter().map(|m| m.width).collect();
-        widths.sort_unstable();
-        widths.dedup();
-        let w = (width.max(1) as f64).ln();
-        let (lo, hi, t) = bracket(&widths, w);
-        let at = |width: u64| {
-            let mut pts: Vec<(f64, f64)> = self
-                .matmul
-                .iter()
-                .filter(|m| m.width == width)
-                .map(|m| ((m.rows.max(1) as f64).ln(), m.flops.max(1.0).ln()))
-                .collect();
-            pts.sort_by(|a, b| a.0.total_cmp(&b.0));
-            interpolate(&pts, rows.max(1.0).ln())
-        };
-        ((1.0 - t) * at(lo) + t * at(hi)).exp()
+        rate_at(&self.matmul, rows, width).unwrap_or_else(|| self.effective_flops())
     }
+
+    /// [`DeviceSpec::flops_at`] for the products of the engine's cached steps (prefill,
+    /// decode): the `step_matmul` table where there is one.
+    pub fn step_flops_at(&self, rows: f64, width: u64) -> f64 {
+        rate_at(&self.step_matmul, rows, width).unwrap_or_else(|| self.flops_at(rows, width))
+    }
+}
+
+/// The rate of `table` at `rows × width`, interpolated in logarithms between its measured
+/// shapes (clamped at the edges of the grid); `None` for an empty table.
+fn rate_at(table: &[MatmulRate], rows: f64, width: u64) -> Option<f64> {
+    if table.is_empty() {
+        return None;
+    }
+    let mut widths: Vec<u64> = table.iter().map(|m| m.width).collect();
+    widths.sort_unstable();
+    widths.dedup();
+    let w = (width.max(1) as f64).ln();
+    let (lo, hi, t) = bracket(&widths, w);
+    let at = |width: u64| {
+        let mut pts: Vec<(f64, f64)> = table
+            .iter()
+            .filter(|m| m.width == width)
+            .map(|m| ((m.rows.max(1) as f64).ln(), m.flops.max(1.0).ln()))
+            .collect();
+        pts.sort_by(|a, b| a.0.total_cmp(&b.0));
+        interpolate(&pts, rows.max(1.0).ln())
+    };
+    Some(((1.0 - t) * at(lo) + t * at(hi)).exp())
 }
 
 /// The two neighbours of `x` (a logarithm) among sorted `values` and the weight of the upper
@@ -510,9 +550,11 @@ impl DeviceSpec {
             ("overheads.decode_step", o.decode_step),
             ("overheads.decode_row", o.decode_row),
             ("overheads.decode_row_layer", o.decode_row_layer),
+            ("overheads.decode_cache", o.decode_cache),
             ("overheads.prefill", o.prefill),
             ("overheads.prefill_token", o.prefill_token),
             ("overheads.prefill_token_layer", o.prefill_token_layer),
+            ("overheads.prefill_sample", o.prefill_sample),
             ("overheads.forward", o.forward),
             ("overheads.forward_layer", o.forward_layer),
             ("overheads.forward_token", o.forward_token),
@@ -539,10 +581,15 @@ impl DeviceSpec {
                 return Err(format!("`device.{name}` is {v}; it must be zero or more"));
             }
         }
-        for m in &self.matmul {
+        for (table, m) in self
+            .matmul
+            .iter()
+            .map(|m| ("matmul", m))
+            .chain(self.step_matmul.iter().map(|m| ("step_matmul", m)))
+        {
             if m.rows == 0 || m.width == 0 || !(m.flops.is_finite() && m.flops > 0.0) {
                 return Err(format!(
-                    "`device.matmul` entry {} × {}: {} FLOP/s; rows, width and FLOP/s must be positive",
+                    "`device.{table}` entry {} × {}: {} FLOP/s; rows, width and FLOP/s must be positive",
                     m.rows, m.width, m.flops
                 ));
             }
@@ -676,6 +723,50 @@ mod tests {
         // Without a table: the datasheet's effective rate.
         let plain = DeviceKind::H100.spec();
         assert_eq!(plain.flops_at(7.0, 4096), plain.effective_flops());
+    }
+
+    /// The engine's cached steps are priced at the step table's rates (Braid's kernel) where
+    /// there is one, at the matmul table's otherwise; a bad step-table entry is named.
+    #[test]
+    fn cached_steps_take_the_step_tables_rates() {
+        let mut d = with_table(&[(1, 64, 1e9), (100, 64, 1e11)]);
+        assert_eq!(d.step_flops_at(10.0, 64), d.flops_at(10.0, 64));
+        d.step_matmul = vec![
+            MatmulRate {
+                rows: 1,
+                width: 64,
+                flops: 5e8,
+            },
+            MatmulRate {
+                rows: 100,
+                width: 64,
+                flops: 5e10,
+            },
+        ];
+        assert!((d.step_flops_at(10.0, 64) / 5e9 - 1.0).abs() < 1e-9);
+        assert!((d.flops_at(10.0, 64) / 1e10 - 1.0).abs() < 1e-9);
+        // A decode step and a prefill of a model whose products take all the time: twice as
+        // long at half the rate; a forward (libtorch's matmul) is unchanged.
+        let m = crate::cost::ModelShape::tiny(2, 64, 4, Some(4), Some(256), 256).unwrap();
+        let mut slow = d.clone();
+        slow.mem_bandwidth = 1e15;
+        let mut fast = slow.clone();
+        fast.step_matmul.clear();
+        let (s, f) = (
+            crate::cost::CostModel::new(slow, 1).for_dtype(4),
+            crate::cost::CostModel::new(fast, 1).for_dtype(4),
+        );
+        let one = crate::cost::Layout::SINGLE;
+        let ratio = s.decode_step_time(&m, one, 10, 16) / f.decode_step_time(&m, one, 10, 16);
+        assert!((ratio - 2.0).abs() < 1e-6, "{ratio}");
+        let ratio = s.prefill_time(&m, one, 1, 10) / f.prefill_time(&m, one, 1, 10);
+        assert!((ratio - 2.0).abs() < 1e-6, "{ratio}");
+        assert_eq!(
+            s.forward_time(&m, one, 1, 10),
+            f.forward_time(&m, one, 1, 10)
+        );
+        d.step_matmul[0].flops = 0.0;
+        assert!(d.check().unwrap_err().contains("device.step_matmul"));
     }
 
     #[test]

@@ -245,17 +245,35 @@ impl CostModel {
         context: f64,
         extra_bytes: f64,
     ) -> f64 {
+        self.stage_pass_at(model, layout, (tokens, context), extra_bytes, false)
+    }
+
+    /// [`CostModel::stage_pass`], its products at the rates of the engine's cached steps when
+    /// `cached` ([`DeviceSpec::step_flops_at`]).
+    fn stage_pass_at(
+        &self,
+        model: &ModelShape,
+        layout: Layout,
+        (tokens, context): (f64, f64),
+        extra_bytes: f64,
+        cached: bool,
+    ) -> f64 {
         let flops = tokens * model.forward_flops_per_token(context.round() as u64)
             / (layout.tp * layout.pp) as f64;
         let bytes = self.stage_weight_bytes(model, layout) + extra_bytes;
         let width = (model.hidden / layout.tp).max(1);
-        let compute = flops / self.device.flops_at(tokens, width);
+        let rate = if cached {
+            self.device.step_flops_at(tokens, width)
+        } else {
+            self.device.flops_at(tokens, width)
+        };
+        let compute = flops / rate;
         let memory = bytes / self.device.effective_mem_bandwidth();
         compute.max(memory) + self.tp_comm(model, layout, tokens)
     }
 
-    /// Prefill of `batch` prompts of `prompt_len` tokens (compute-bound): every stage in turn,
-    /// since one batch flows through the pipeline once. Attention averages half the prompt.
+    /// Prefill of `batch` prompts of `prompt_len` tokens with one sample each
+    /// ([`CostModel::shared_prefill_time`] with as many prompts as samples).
     pub fn prefill_time(
         &self,
         model: &ModelShape,
@@ -263,14 +281,33 @@ impl CostModel {
         batch: u64,
         prompt_len: u64,
     ) -> f64 {
-        let tokens = (batch * prompt_len) as f64;
+        self.shared_prefill_time(model, layout, batch, batch, prompt_len)
+    }
+
+    /// Prefill of `prompts` prompts of `prompt_len` tokens that admit `samples` samples
+    /// (compute-bound): every stage in turn, since one batch flows through the pipeline once;
+    /// attention averages half the prompt. The prompts' tokens go through the model once, as
+    /// Braid's engine runs them (`n` samples of a prompt share its prefill); each sample then
+    /// pays [`Overheads::prefill_sample`] (its first token, its copy of the cache rows).
+    pub fn shared_prefill_time(
+        &self,
+        model: &ModelShape,
+        layout: Layout,
+        prompts: u64,
+        samples: u64,
+        prompt_len: u64,
+    ) -> f64 {
+        let tokens = (prompts * prompt_len) as f64;
         let o = &self.device.overheads;
-        layout.pp as f64 * self.stage_pass(model, layout, tokens, prompt_len as f64 / 2.0, 0.0)
+        // The engine prefills through its cached steps (the host step on a CPU: see
+        // `decode_step_time`).
+        layout.pp as f64
+            * self.stage_pass_at(model, layout, (tokens, prompt_len as f64 / 2.0), 0.0, true)
             + o.forward_terms(
                 model.layers as f64,
                 tokens,
                 (model.hidden / layout.tp) as f64,
-                attention_scores(model, layout, batch as f64, prompt_len),
+                attention_scores(model, layout, prompts as f64, prompt_len),
             )
             + o.prefill
             + tokens * o.prefill_token
@@ -278,6 +315,7 @@ impl CostModel {
                 * tokens
                 * (model.hidden / layout.tp) as f64
                 * o.prefill_token_layer
+            + samples as f64 * o.prefill_sample
     }
 
     /// Prefill of `batch` prompts on a pipelined instance (`layout.pp` stages), as ReaL's
@@ -292,10 +330,25 @@ impl CostModel {
         batch: u64,
         prompt_len: u64,
     ) -> f64 {
+        self.pipelined_shared_prefill_time(model, layout, batch, prompt_len, 1)
+    }
+
+    /// [`CostModel::pipelined_prefill_time`] of `samples` samples drawn `per_prompt` to a
+    /// prompt: each micro-batch prefills its samples' prompts once
+    /// ([`CostModel::shared_prefill_time`]).
+    pub fn pipelined_shared_prefill_time(
+        &self,
+        model: &ModelShape,
+        layout: Layout,
+        samples: u64,
+        prompt_len: u64,
+        per_prompt: u64,
+    ) -> f64 {
+        let per_prompt = per_prompt.max(1);
         self.pipelined(
             layout,
-            batch,
-            |b| self.prefill_time(model, layout, b, prompt_len),
+            samples,
+            |b| self.shared_prefill_time(model, layout, b.div_ceil(per_prompt), b, prompt_len),
             |m, pp| m + pp - 1,
         )
     }
@@ -344,12 +397,20 @@ impl CostModel {
         let kv = (batch * context * model.kv_bytes_per_token(self.dtype_bytes)) as f64
             / (layout.tp * layout.pp) as f64;
         let device = layout.pp as f64
-            * self.stage_pass(model, layout, batch as f64, context as f64, kv)
+            // Braid's host step, whose kernel `step_matmul` times, runs unsharded models.
+            // Tensor-parallel layers decode through libtorch with an all-reduce per layer,
+            // which calibration does not time: they are priced at the same rates. (Priced at
+            // the matmul table's beside a host step at the kernel's, the quickstart's
+            // generation on 2 CPU ranks came out at 74 ms with tp 2, the planner chose it, and
+            // it measured 370–560 ms; docs/planning.md, "Not yet".)
+            * self.stage_pass_at(model, layout, (batch as f64, context as f64), kv, true)
             + model.layers as f64 * self.device.decode_layer_overhead
             + self.device.overheads.decode_terms(
                 model.layers as f64,
                 batch as f64,
                 (model.hidden / layout.tp) as f64,
+                context as f64,
+                ((model.kv_heads / layout.tp).max(1) * model.head_dim()) as f64,
             );
         match &self.device.host_decode {
             Some(h) => device.max(h.pass(model.layers as f64, layout.tp)),
@@ -778,6 +839,42 @@ mod tests {
         let stage = c.prefill_time(&m, pp4, 16, 128) / 4.0;
         assert!((piped - 7.0 * stage).abs() < 1e-12, "{piped} vs {stage}");
         assert!(piped < 0.6 * c.prefill_time(&m, pp4, 64, 128));
+    }
+
+    /// The `n` samples of a prompt share its prefill, as Braid's engine runs them: the
+    /// prompts' tokens are priced once, each sample its own part.
+    #[test]
+    fn samples_of_one_prompt_share_its_prefill() {
+        let mut c = h100_node();
+        c.device.overheads.prefill_sample = 3e-6;
+        c.device.overheads.prefill_token = 1e-6;
+        let m = llama7b();
+        let one = Layout::SINGLE;
+        let alone = c.prefill_time(&m, one, 8, 128);
+        let shared = c.shared_prefill_time(&m, one, 8, 32, 128);
+        assert!(
+            (shared - alone - 24.0 * 3e-6).abs() < 1e-12,
+            "{shared} vs {alone}"
+        );
+        assert!(shared < 0.5 * c.prefill_time(&m, one, 32, 128));
+        // One sample a prompt is the plain prefill; on stages, each micro-batch's samples
+        // share their prompts.
+        assert_eq!(
+            c.pipelined_shared_prefill_time(&m, one, 32, 128, 1),
+            c.prefill_time(&m, one, 32, 128)
+        );
+        assert_eq!(
+            c.pipelined_shared_prefill_time(&m, one, 32, 128, 4),
+            c.shared_prefill_time(&m, one, 8, 32, 128)
+        );
+        let pp2 = Layout {
+            dp: 1,
+            tp: 1,
+            pp: 2,
+        };
+        let piped = c.pipelined_shared_prefill_time(&m, pp2, 32, 128, 4);
+        let stage = c.shared_prefill_time(&m, pp2, 4, 16, 128) / 2.0;
+        assert!((piped - 3.0 * stage).abs() < 1e-12, "{piped} vs {stage}");
     }
 
     #[test]

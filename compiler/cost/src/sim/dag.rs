@@ -33,6 +33,9 @@ pub struct Migration {
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct GenerateSpec {
     pub samples: u64,
+    /// Samples per prompt (`n` of the `generate`, 1 for one each): an admission prefills each
+    /// prompt once for all of its samples ([`CostModel::shared_prefill_time`]).
+    pub samples_per_prompt: u64,
     pub prompt_len: u64,
     pub instances: u64,
     pub lengths: LengthDist,

@@ -658,8 +658,13 @@ impl Instance {
             .map(|len| (len as i64, g.prompt_len as i64))
             .collect();
         self.receive(&admitted);
-        g.cost
-            .pipelined_prefill_time(&g.model, layout, free, g.prompt_len)
+        g.cost.pipelined_shared_prefill_time(
+            &g.model,
+            layout,
+            free,
+            g.prompt_len,
+            g.samples_per_prompt,
+        )
     }
 
     /// Takes the unfinished samples out as (tokens left, current context); waiting ones

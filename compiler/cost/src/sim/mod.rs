@@ -70,6 +70,7 @@ mod tests {
     ) -> Work {
         Work::Generate(Box::new(GenerateSpec {
             samples: SAMPLES,
+            samples_per_prompt: 1,
             prompt_len: PROMPT,
             instances: 8,
             lengths,
@@ -232,6 +233,7 @@ mod tests {
                 [0],
                 Work::Generate(Box::new(GenerateSpec {
                     samples: 64,
+                    samples_per_prompt: 1,
                     prompt_len: 32,
                     instances: 1,
                     lengths: LengthDist::Fixed { len: 128 },
@@ -574,6 +576,7 @@ mod tests {
         let gen_work = || {
             Work::Generate(Box::new(GenerateSpec {
                 samples: 4,
+                samples_per_prompt: 1,
                 prompt_len: 8,
                 instances: 2,
                 lengths: LengthDist::Fixed { len: 4 },
