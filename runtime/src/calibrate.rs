@@ -63,7 +63,7 @@ pub const PROMPT_LEN: usize = 8;
 /// step's attention over the cache from its other terms; at one length each pair is the same
 /// feature of the fit. The examples' prompts run from 7 (the quickstart) to 108 tokens
 /// (`chat_tiny`).
-pub const PREFILL_LENS: [usize; 2] = [PROMPT_LEN, 64];
+pub const PROMPT_LENS: [usize; 2] = [PROMPT_LEN, 64];
 const NEW_SHORT: usize = 8;
 const NEW_LONG: usize = 40;
 /// Inference and training measurements: sequences per pass (down to one, as the examples'
@@ -334,7 +334,7 @@ fn measure_passes(options: &Options, hidden: u64, layers: u64, out: &mut PassTim
             })
         };
         // Decode steps after prompts of two lengths: attention over the cache grows with it.
-        for len in PREFILL_LENS {
+        for len in PROMPT_LENS {
             let short = gen_time(&prompts(len), NEW_SHORT)?;
             let long = gen_time(&prompts(len), NEW_LONG)?;
             let step = ((long - short) / (NEW_LONG - NEW_SHORT) as f64).max(0.0);
@@ -350,7 +350,7 @@ fn measure_passes(options: &Options, hidden: u64, layers: u64, out: &mut PassTim
         // forward, the first token sampled from it, the engine's work per sample). Taking it
         // as what the generations above leave after their steps subtracts two noisy timings
         // and came out anywhere from zero to ten times this.
-        for len in PREFILL_LENS {
+        for len in PROMPT_LENS {
             let secs = gen_time(&prompts(len), 1)?;
             out.prefill.push(PassPoint {
                 hidden,
@@ -748,8 +748,8 @@ pub fn fit(base: &DeviceSpec, m: &Measurements) -> Result<DeviceSpec> {
     let grid = HIDDENS.len() * LAYERS.len() * DECODE_ROWS.len();
     let passes = HIDDENS.len() * LAYERS.len() * PASS_SEQS.len() * PASS_LENS.len();
     for (v, what, n) in [
-        (&p.decode_step, "decode", grid * PREFILL_LENS.len()),
-        (&p.prefill, "prefill", grid * PREFILL_LENS.len()),
+        (&p.decode_step, "decode", grid * PROMPT_LENS.len()),
+        (&p.prefill, "prefill", grid * PROMPT_LENS.len()),
         (&p.forward, "forward", passes),
         (&p.train_microbatch, "training", passes),
         (&p.optimizer, "optimizer", HIDDENS.len() * LAYERS.len()),
@@ -780,9 +780,10 @@ pub fn fit(base: &DeviceSpec, m: &Measurements) -> Result<DeviceSpec> {
     let mut rows = Vec::new();
     for q in &p.decode_step {
         let context = decode_context(q);
-        let roof = cost.decode_step_time(&shape(q)?, one, q.rows, context);
+        let s = shape(q)?;
+        let roof = cost.decode_step_time(&s, one, q.rows, context);
         let (l, b, h) = (q.layers as f64, q.rows as f64, q.hidden as f64);
-        let kv = (kv_heads(q.hidden) * q.hidden / HEADS) as f64;
+        let kv = (s.kv_heads * s.head_dim()) as f64;
         rows.push(relative(
             vec![1.0, l, b, l * b * h, l * b * context as f64 * kv],
             q.secs - roof,
@@ -821,8 +822,7 @@ pub fn fit(base: &DeviceSpec, m: &Measurements) -> Result<DeviceSpec> {
         o.forward_score,
     ) = (c[0], c[1], c[2], c[3], c[4]);
     // The prefill is a forward over the prompts: what is left after its forward terms is a
-    // fixed part, a part per token, one per token, layer and unit of width (the engine's
-    // cached-step kernels) and one per sample (its first token, its cache rows): fitted, not
+    // fixed part, a part per token, one per token, layer and unit of width and one per sample (its first token, its cache rows): fitted, not
     // averaged, or a prefill of a few rows is priced like one of many.
     let mut rows = Vec::new();
     for q in &p.prefill {
@@ -1005,8 +1005,8 @@ mod tests {
                 secs,
             };
             for rows in DECODE_ROWS {
-                for len in PREFILL_LENS.map(|l| l as u64) {
-                    let ctx = len + ((NEW_SHORT + NEW_LONG) / 2) as u64;
+                for len in PROMPT_LENS.map(|l| l as u64) {
+                    let ctx = decode_context(&pt(rows, len, 0.0));
                     p.decode_step
                         .push(pt(rows, len, cost.decode_step_time(&s, one, rows, ctx)));
                     p.prefill

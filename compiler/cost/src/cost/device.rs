@@ -155,8 +155,7 @@ pub struct Overheads {
     pub decode_row_layer: f64,
     /// Per running row, layer, cached token and unit of the KV width (key-value heads × head
     /// dimension) of a decode step: attention over the row's cache, whose keys and values the
-    /// step reads and scores (the roofline counts their bytes and FLOPs at the device's rates;
-    /// the host's attention kernel runs far below them on tiny heads).
+    /// step reads and scores, beyond the bytes and FLOPs the roofline counts for them.
     pub decode_cache: f64,
     /// Per prefill pass over a batch of prompts, beyond its forward terms.
     pub prefill: f64,
@@ -164,8 +163,8 @@ pub struct Overheads {
     /// token as it admits samples (their cache rows, their sampling state).
     pub prefill_token: f64,
     /// Per prompt token, layer and unit of the hidden size of a prefill pass, beyond its
-    /// forward terms (the engine prefills through its cached-step kernels, which cost far more
-    /// per token than a whole-sequence forward).
+    /// forward terms (the engine prefills through its cached steps, whose products the roofline
+    /// prices at `DeviceSpec::step_matmul`'s rates).
     pub prefill_token_layer: f64,
     /// Per sample admitted by a prefill, beyond its prompt's tokens: its first token chosen
     /// from the prompt's logits, its cache rows copied from the prompt's. The samples of one
