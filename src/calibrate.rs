@@ -185,9 +185,16 @@ fn calibrate_here(args: &Args) -> Result<Option<String>, (String, u8)> {
             "\n  collectives: not measured (one rank, or GPUs); the datasheet's figures are kept",
         );
     } else {
+        let times: Vec<String> = m
+            .allreduce
+            .iter()
+            .map(|&(b, t)| format!("{} {:.2} ms", bytes_short(b), t * 1e3))
+            .collect();
         s.push_str(&format!(
-            "\n  all-reduce over {} ranks: latency {:.0} µs, bandwidth {:.2} GB/s",
+            "\n  all-reduce over {} ranks: {}; priced from these times (a line through them: \
+             latency {:.0} µs, bandwidth {:.2} GB/s)",
             world.size,
+            times.join(", "),
             d.intra_node_latency * 1e6,
             d.intra_node_bandwidth / 1e9
         ));
@@ -247,4 +254,15 @@ fn measured_json(m: &Measurements, world: &World, args: &Args, secs: f64) -> ser
         "tiny_model_widths": calibrate::HIDDENS,
         "timings": m,
     })
+}
+
+/// `bytes` as B, KiB or MiB, for the summary.
+fn bytes_short(bytes: u64) -> String {
+    if bytes >= 1 << 20 {
+        format!("{} MiB", bytes >> 20)
+    } else if bytes >= 1 << 10 {
+        format!("{} KiB", bytes >> 10)
+    } else {
+        format!("{bytes} B")
+    }
 }

@@ -20,7 +20,7 @@
 use std::time::Instant;
 
 use braid_cost::cost::{
-    CostModel, DeviceSpec, Layout, MatmulRate, ModelShape, Overheads, attention_scores,
+    CollectiveTime, CostModel, DeviceSpec, Layout, MatmulRate, ModelShape, Overheads, attention_scores,
     model::BYTE_VOCAB,
 };
 use tch::{Device, Kind, Tensor};
@@ -74,8 +74,23 @@ const NEW_LONG: usize = 40;
 /// the square of the length, separates from the per-token terms).
 pub const PASS_SEQS: [u64; 4] = [1, 4, 16, 64];
 pub const PASS_LENS: [usize; 3] = [16, 48, 144];
-/// All-reduce sizes in bytes.
-pub const COLLECTIVE_BYTES: [u64; 5] = [4, 4 << 10, 64 << 10, 1 << 20, 4 << 20];
+/// All-reduce sizes in bytes: from a scalar through the runtime's sums of a few f64 (a
+/// training's metrics: 24 bytes and up) and a tiny model's gradients (megabytes) to a bucket's
+/// worth, closely enough spaced for [`DeviceSpec::allreduce`]'s interpolation: Gloo's times
+/// jump between one element and a few (0.2 against 1.3 ms on this machine's two ranks).
+pub const COLLECTIVE_BYTES: [u64; 11] = [
+    4,
+    8,
+    24,
+    64,
+    1 << 10,
+    4 << 10,
+    64 << 10,
+    256 << 10,
+    1 << 20,
+    4 << 20,
+    16 << 20,
+];
 
 /// How long and on what to measure.
 #[derive(Clone, Debug)]
@@ -154,6 +169,31 @@ fn time(min_seconds: f64, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
         }
     }
 }
+
+/// Seconds per call of `f`, each call after one of `before` (untimed), over `reps` calls after
+/// one untimed pair.
+fn time_after(
+    reps: u32,
+    mut before: impl FnMut() -> Result<()>,
+    mut f: impl FnMut() -> Result<()>,
+) -> Result<f64> {
+    before()?;
+    f()?;
+    let mut total = 0.0;
+    for _ in 0..reps.max(1) {
+        before()?;
+        let start = Instant::now();
+        f()?;
+        total += start.elapsed().as_secs_f64();
+    }
+    Ok(total / f64::from(reps.max(1)))
+}
+
+/// Repetitions of each cold prefill timing (each after a training micro-batch), and that
+/// micro-batch's sequences and tokens per sequence.
+const COLD_REPS: u32 = 12;
+const COLD_SEQS: u64 = 16;
+const COLD_LEN: usize = 48;
 
 /// The tiny model of width `hidden` with `layers` layers that the pass measurements run.
 pub fn tiny_config(hidden: u64, layers: u64) -> TinyConfig {
@@ -292,12 +332,23 @@ fn sync(t: &Tensor, device: Device) {
 /// Times the tiny model with `layers` layers: generation (two lengths, two batch sizes),
 /// inference forwards and training micro-batches (two sizes), and an optimizer step.
 fn measure_passes(options: &Options, hidden: u64, layers: u64, out: &mut PassTimes) -> Result<()> {
-    let (model, tokenizer) = tiny_in(
+    let (mut model, tokenizer) = tiny_in(
         &tiny_config(hidden, layers),
         Head::Lm,
         options.kind,
         options.device,
     )?;
+    // The work a run's generation follows (see the prefill below): a training micro-batch of
+    // a second model of the same shape.
+    let (other, _) = tiny_in(
+        &tiny_config(hidden, layers),
+        Head::Lm,
+        options.kind,
+        options.device,
+    )?;
+    let other_seqs = sequences(COLD_SEQS, COLD_LEN);
+    let mut other_step = train_microbatch(&other, &other_seqs, options.device)?;
+    let mut between = || tch::with_grad(&mut other_step);
     for rows in DECODE_ROWS {
         let prompts = |len: usize| -> Vec<Vec<i64>> {
             (0..rows as usize)
@@ -308,7 +359,10 @@ fn measure_passes(options: &Options, hidden: u64, layers: u64, out: &mut PassTim
                 })
                 .collect()
         };
-        let gen_time = |prompts: &[Vec<i64>], new: usize| -> Result<f64> {
+        let threads = tch::get_num_threads().max(1) as usize;
+        // One generation of `new` tokens per prompt, as a run generates (`exec/stream.rs`): on
+        // a thread started for it, which pays for its start and its cold state.
+        let mut generate_once = |prompts: &[Vec<i64>], new: usize| -> Result<()> {
             let params = SamplingParams {
                 max_new_tokens: new,
                 // Sampled at temperature 1, as training rollouts are.
@@ -316,28 +370,32 @@ fn measure_passes(options: &Options, hidden: u64, layers: u64, out: &mut PassTim
                 stop_at_eos: false,
                 ..SamplingParams::default()
             };
-            time(options.min_seconds, || {
-                let samples = generate(
-                    &model,
-                    &tokenizer,
-                    prompts.to_vec(),
-                    params.clone(),
-                    EngineOptions::default(),
-                )?;
-                if samples.iter().any(|s| s.token_ids.len() != new) {
-                    return Err(Error::invalid(
-                        "calibrate",
-                        "a calibration sample stopped before its length",
-                    ));
-                }
-                Ok(())
+            let (m, tok, prompts) = (&mut model, &tokenizer, prompts.to_vec());
+            let samples = std::thread::scope(|s| {
+                s.spawn(move || {
+                    crate::device::set_cpu_threads(threads);
+                    generate(m, tok, prompts, params, EngineOptions::default())
+                })
+                .join()
             })
+            .map_err(|_| Error::invalid("calibrate", "the generation thread panicked"))??;
+            if samples.iter().any(|s| s.token_ids.len() != new) {
+                return Err(Error::invalid(
+                    "calibrate",
+                    "a calibration sample stopped before its length",
+                ));
+            }
+            Ok(())
         };
         // Decode steps after prompts of two lengths: attention over the cache grows with it.
+        // Back to back, so that what a generation pays once cancels in the difference.
+        let mut steps = Vec::new();
         for len in PROMPT_LENS {
-            let short = gen_time(&prompts(len), NEW_SHORT)?;
-            let long = gen_time(&prompts(len), NEW_LONG)?;
+            let p = prompts(len);
+            let short = time(options.min_seconds, || generate_once(&p, NEW_SHORT))?;
+            let long = time(options.min_seconds, || generate_once(&p, NEW_LONG))?;
             let step = ((long - short) / (NEW_LONG - NEW_SHORT) as f64).max(0.0);
+            steps.push(step);
             out.decode_step.push(PassPoint {
                 hidden,
                 layers,
@@ -346,21 +404,27 @@ fn measure_passes(options: &Options, hidden: u64, layers: u64, out: &mut PassTim
                 secs: step,
             });
         }
-        // The prefill, timed on its own: a generation of one token per prompt (the prompts'
-        // forward, the first token sampled from it, the engine's work per sample). Taking it
-        // as what the generations above leave after their steps subtracts two noisy timings
-        // and came out anywhere from zero to ten times this.
-        for len in PROMPT_LENS {
-            let secs = gen_time(&prompts(len), 1)?;
+        // The prefill as a run meets it: its generation starts after the iteration's other
+        // work (a training micro-batch here, of a model of the same shape), whose memory
+        // traffic and freed allocations leave the generation's weights, scratch and cache
+        // pages cold, and it admits the prefilled rows into the running batch before its
+        // first decode step. So: a generation of two tokens per prompt after a training
+        // micro-batch, less one warm decode step timed above. (Timed back to back, the
+        // prefill of `ppo_tiny`'s 8 prompts took about 1.5 ms where its runs took 2.5–3.4 ms
+        // in their first step; a one-token generation leaves out the admission.)
+        for (len, step) in PROMPT_LENS.into_iter().zip(steps) {
+            let p = prompts(len);
+            let secs = time_after(COLD_REPS, &mut between, || generate_once(&p, 2))?;
             out.prefill.push(PassPoint {
                 hidden,
                 layers,
                 rows,
                 len: len as u64,
-                secs,
+                secs: (secs - step).max(0.0),
             });
         }
     }
+    drop(between);
     let mut optimizer = AdamW::new(&model, optimizer_config())?;
     for len in PASS_LENS {
         for rows in PASS_SEQS {
@@ -738,6 +802,16 @@ pub fn fit(base: &DeviceSpec, m: &Measurements) -> Result<DeviceSpec> {
         d.intra_node_latency = latency;
         d.intra_node_bandwidth = bw;
         d.network_efficiency = 1.0;
+        // The times themselves, which the line does not follow (`DeviceSpec::allreduce`).
+        d.allreduce = m
+            .allreduce
+            .iter()
+            .map(|&(bytes, seconds)| CollectiveTime {
+                ranks: m.ranks as u64,
+                bytes,
+                seconds,
+            })
+            .collect();
     }
     if let Some(spread) = rank_spread(&m.rank_excess, m.ranks) {
         d.rank_spread = spread;

@@ -284,7 +284,7 @@ pub fn call_time(a: &Annotated, id: NodeId, p: &Placement) -> f64 {
                 p.microbatches.max(1),
                 checkpointing(a, slot),
             );
-            step.total * (epochs * mbs) as f64
+            step.total * (epochs * mbs) as f64 + metric_sums_time(a, id, &cost, p)
         }
         // Taken from the training forward pass (`sample-split`): it runs nothing.
         _ if a.decisions.reused_logprobs.contains_key(&id) => 0.0,
@@ -298,6 +298,37 @@ pub fn call_time(a: &Annotated, id: NodeId, p: &Placement) -> f64 {
             (k + pp - 1.0) / pp * cost.forward_time(shape, p.layout(), chunk, seq)
         }
     }
+}
+
+/// What a training on several data-parallel replicas ends with, beyond its optimizer steps
+/// (`runtime/src/exec/train.rs`): two sums over its replicas, one of its loss, entropy and
+/// token count (three f64) and, where its loss declares metrics, one of a sum and a count per
+/// metric name. Small as they are, on Gloo each costs an all-reduce's fixed time, over a
+/// millisecond from a few dozen bytes on (`DeviceSpec::allreduce`).
+fn metric_sums_time(a: &Annotated, id: NodeId, cost: &CostModel, p: &Placement) -> f64 {
+    if p.dp <= 1 {
+        return 0.0;
+    }
+    let metrics = a
+        .plan
+        .graph
+        .inputs(id)
+        .get(1)
+        .and_then(|&l| a.plan.graph.node(l))
+        .map_or(0, |n| match &n.op {
+            Op::Loss { objective } => objective
+                .metrics
+                .iter()
+                .map(|m| m.name.as_str())
+                .collect::<std::collections::BTreeSet<_>>()
+                .len(),
+            _ => 0,
+        });
+    let mut t = cost.allreduce_time(3.0 * 8.0, p.dp, p.tp);
+    if metrics > 0 {
+        t += cost.allreduce_time(2.0 * 8.0 * metrics as f64, p.dp, p.tp);
+    }
+    t
 }
 
 /// The length train `id`'s micro-batches pad to, on average: `global` sequences per optimizer

@@ -460,6 +460,34 @@ fn build_dag(
             b.stream(task, *t);
         }
         task_of.insert(id, task);
+        // A training whose first forward gives `logprobs` calls their values (`sample-split`)
+        // hands those rows to every rank as it ends, in one exchange
+        // (`runtime/src/exec/train.rs`).
+        if exchanges && matches!(node.op, Op::Train { .. }) {
+            let bytes: f64 = a
+                .decisions
+                .reused_logprobs
+                .iter()
+                .filter(|(_, t)| **t == id)
+                .filter_map(|(lp, _)| {
+                    let (ln, ls) = (g.node(*lp)?, call_size(a, *lp)?);
+                    gathered_bytes(&ln.op, &ls)
+                })
+                .sum();
+            if bytes > 0.0 {
+                let secs = cost
+                    .host_allgather_time(bytes, all_devices.len() as u64)
+                    .unwrap_or(0.0);
+                // Part of the training as the runtime times it (`time/train`).
+                let t = b.task(
+                    &format!("{id} gather of the reused log-probabilities"),
+                    "train",
+                    all_devices.clone(),
+                    Work::Fixed { seconds: secs },
+                );
+                b.after(t, task);
+            }
+        }
         let reused = a.decisions.reused_logprobs.contains_key(&id);
         if exchanges
             && !reused

@@ -121,6 +121,7 @@ fn gpu(kind: DeviceKind, flops: f64, hbm: f64, mem_gb: u64, nvlink: f64, net: f6
         overheads: Overheads::default(),
         matmul: Vec::new(),
         step_matmul: Vec::new(),
+        allreduce: Vec::new(),
         host_decode: None,
         host_cores: None,
         rank_spread: 0.0,
@@ -135,6 +136,16 @@ pub struct MatmulRate {
     pub rows: u64,
     pub width: u64,
     pub flops: f64,
+}
+
+/// A measured all-reduce: `bytes` summed over `ranks` ranks of one node took `seconds`
+/// (`braid calibrate`, the runtime's own collectives).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CollectiveTime {
+    pub ranks: u64,
+    pub bytes: u64,
+    pub seconds: f64,
 }
 
 /// Seconds a pass costs beyond its roofline, by kind of pass, as a fixed part and parts per
@@ -274,6 +285,15 @@ pub struct DeviceSpec {
     /// `matmul` table.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub step_matmul: Vec<MatmulRate>,
+    /// All-reduces timed by size within one node (`braid calibrate` on several CPU ranks:
+    /// Gloo's). Gloo's all-reduce does not follow one latency and one bandwidth: 4 bytes
+    /// take a fraction of a millisecond, anything from about a kilobyte to a megabyte over a
+    /// millisecond (its ring exchanges a chunk per step), so a fitted line priced the
+    /// runtime's gradient and metric sums at a fraction of what they take. Where it has the
+    /// group's rank count, [`super::CostModel::allreduce_time`] interpolates it; empty (the
+    /// datasheets): latency plus bytes over bandwidth.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub allreduce: Vec<CollectiveTime>,
     /// A generation engine that launches every kernel of a decode step from the host (no
     /// CUDA graphs) and waits for the device at every step, so that at small batches a step
     /// takes the host's time rather than the device's; `None`: the device's time
@@ -368,6 +388,7 @@ impl DeviceSpec {
             overheads: Overheads::default(),
             matmul: Vec::new(),
             step_matmul: Vec::new(),
+            allreduce: Vec::new(),
             host_decode: None,
             host_cores: None,
             rank_spread: 0.0,
@@ -391,6 +412,39 @@ impl DeviceSpec {
     /// decode): the `step_matmul` table where there is one.
     pub fn step_flops_at(&self, rows: f64, width: u64) -> f64 {
         rate_at(&self.step_matmul, rows, width).unwrap_or_else(|| self.flops_at(rows, width))
+    }
+}
+
+impl DeviceSpec {
+    /// Seconds of an all-reduce of `bytes` over `ranks` ranks of one node from the measured
+    /// [`DeviceSpec::allreduce`] times on that many ranks: interpolated in logarithms between
+    /// the measured sizes, the smallest's time below them, and beyond the largest its time
+    /// plus the rest at the slope of its last two points (bandwidth-bound there). `None`
+    /// without measurements on `ranks` ranks.
+    pub fn measured_allreduce(&self, bytes: f64, ranks: u64) -> Option<f64> {
+        let mut pts: Vec<(f64, f64)> = self
+            .allreduce
+            .iter()
+            .filter(|c| c.ranks == ranks)
+            .map(|c| (c.bytes as f64, c.seconds))
+            .collect();
+        if pts.is_empty() {
+            return None;
+        }
+        pts.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let (last_b, last_t) = pts[pts.len() - 1];
+        if bytes > last_b {
+            let slope = match pts.len() {
+                1 => 0.0,
+                n => {
+                    let (b0, t0) = pts[n - 2];
+                    ((last_t - t0) / (last_b - b0)).max(0.0)
+                }
+            };
+            return Some(last_t + (bytes - last_b) * slope);
+        }
+        let logs: Vec<(f64, f64)> = pts.iter().map(|&(b, t)| (b.ln(), t.ln())).collect();
+        Some(interpolate(&logs, bytes.max(1.0).ln()).exp())
     }
 }
 
@@ -590,6 +644,14 @@ impl DeviceSpec {
                 return Err(format!(
                     "`device.{table}` entry {} × {}: {} FLOP/s; rows, width and FLOP/s must be positive",
                     m.rows, m.width, m.flops
+                ));
+            }
+        }
+        for c in &self.allreduce {
+            if c.ranks < 2 || c.bytes == 0 || !(c.seconds.is_finite() && c.seconds > 0.0) {
+                return Err(format!(
+                    "`device.allreduce` entry of {} B on {} ranks: {} s; it needs at least 2 ranks, at least 1 byte and a positive time",
+                    c.bytes, c.ranks, c.seconds
                 ));
             }
         }

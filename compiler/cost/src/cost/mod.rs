@@ -16,7 +16,8 @@ use std::fmt;
 use serde::{Deserialize, Serialize};
 
 pub use device::{
-    DeviceKind, DeviceProfile, DeviceSpec, HostCores, HostDecode, MatmulRate, Overheads,
+    CollectiveTime, DeviceKind, DeviceProfile, DeviceSpec, HostCores, HostDecode, MatmulRate,
+    Overheads,
     PROFILE_FORMAT, PROFILE_VERSION, measure_cpu_flops,
 };
 pub use model::{BYTE_VOCAB, ModelShape};
@@ -180,9 +181,18 @@ impl CostModel {
     /// sends and receives `2(n-1)/n` of the buffer, plus one start-up latency (NCCL's
     /// low-latency protocol makes small all-reduces cost about that, whatever the ring size).
     /// The group uses NVLink when it fits in one node, else the network.
+    ///
+    /// Where the device's profile has all-reduces measured on `ranks` ranks
+    /// ([`DeviceSpec::allreduce`], Gloo's on CPU ranks) and the group fits in one node, those
+    /// times, interpolated.
     pub fn allreduce_time(&self, bytes: f64, ranks: u64, stride: u64) -> f64 {
         if ranks <= 1 {
             return 0.0;
+        }
+        if ranks * stride <= self.devices_per_node
+            && let Some(t) = self.device.measured_allreduce(bytes, ranks)
+        {
+            return t;
         }
         let (bw, lat) = self.link(ranks * stride);
         let n = ranks as f64;
@@ -989,6 +999,45 @@ mod tests {
         assert_eq!(c.allreduce_time(gb, 1, 1), 0.0);
         // 2·7/8 GB over 450 GB/s × 0.8, plus one start-up latency.
         assert!((inside - (1.75 / 360.0 + 10e-6)).abs() < 1e-9);
+    }
+
+    #[test]
+    fn measured_all_reduces_are_interpolated_on_their_rank_count_within_a_node() {
+        let mut d = DeviceKind::Cpu.spec();
+        d.intra_node_latency = 240e-6;
+        d.intra_node_bandwidth = 1.5e9;
+        d.network_efficiency = 1.0;
+        let line = CostModel::new(d.clone(), 2);
+        // Gloo's shape: a scalar is quick, a kilobyte to a megabyte over a millisecond.
+        d.allreduce = [(4, 0.3e-3), (1024, 1.2e-3), (1 << 20, 1.6e-3), (4 << 20, 4.0e-3)]
+            .into_iter()
+            .map(|(bytes, seconds)| CollectiveTime {
+                ranks: 2,
+                bytes,
+                seconds,
+            })
+            .collect();
+        d.check().expect("a valid table");
+        let c = CostModel::new(d.clone(), 2);
+        // On a measured size: its time; between two: between them, in logarithms.
+        assert!((c.allreduce_time(1024.0, 2, 1) - 1.2e-3).abs() < 1e-12);
+        let mid = c.allreduce_time(32.0 * 1024.0, 2, 1);
+        let geo = (1.2e-3f64.ln() + 0.5 * (1.6e-3f64.ln() - 1.2e-3f64.ln())).exp();
+        assert!((mid - geo).abs() < 1e-9, "{mid} against {geo}");
+        // Below the smallest: its time; beyond the largest: the last two points' slope.
+        assert!((c.allreduce_time(1.0, 2, 1) - 0.3e-3).abs() < 1e-12);
+        let big = c.allreduce_time(8.0 * (1 << 20) as f64, 2, 1);
+        let slope = (4.0e-3 - 1.6e-3) / (3 << 20) as f64;
+        assert!((big - (4.0e-3 + slope * (4 << 20) as f64)).abs() < 1e-9, "{big}");
+        // Where the line priced 24 bytes at its latency, the table prices what was measured.
+        assert!(line.allreduce_time(24.0, 2, 1) < 0.25e-3);
+        assert!(c.allreduce_time(24.0, 2, 1) > 0.45e-3);
+        // Another rank count, or a group across nodes, is not in the table: the line.
+        assert_eq!(c.allreduce_time(1024.0, 4, 1), line.allreduce_time(1024.0, 4, 1));
+        assert_eq!(c.allreduce_time(1024.0, 2, 2), line.allreduce_time(1024.0, 2, 2));
+        // A bad entry is an error that names the table.
+        d.allreduce[0].seconds = 0.0;
+        assert!(d.check().unwrap_err().contains("device.allreduce"));
     }
 
     #[test]
