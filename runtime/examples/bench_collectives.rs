@@ -1,5 +1,6 @@
-//! All-reduce and broadcast bandwidth of `braid_runtime::dist` on Gloo, 2 ranks on this
-//! machine over 127.0.0.1, at 1 MiB and 64 MiB of f32. It starts its own ranks (this binary
+//! All-reduce and broadcast times and bandwidth of `braid_runtime::dist` on Gloo, 2 ranks on
+//! this machine over 127.0.0.1, from one f32 to 64 MiB (Gloo's small all-reduces cost far
+//! more than one element's: `DeviceSpec::allreduce`). It starts its own ranks (this binary
 //! again, told its rank through torchrun's variables) and rank 0 prints a table: seconds per
 //! operation (the slower rank's mean) and algorithmic bandwidth, bytes / seconds.
 //!
@@ -17,7 +18,13 @@ use tch::{Kind, Tensor};
 const RANK_VAR: &str = "BRAID_BENCH_RANK";
 const RANKS: usize = 2;
 /// (bytes, timed iterations)
-const SIZES: [(usize, usize); 2] = [(1 << 20, 50), (64 << 20, 5)];
+const SIZES: [(usize, usize); 5] = [
+    (4, 200),
+    (1 << 10, 200),
+    (64 << 10, 100),
+    (1 << 20, 50),
+    (64 << 20, 5),
+];
 
 fn main() -> ExitCode {
     ranks::run(
@@ -64,10 +71,17 @@ fn bench_rank() -> braid_runtime::dist::Result<()> {
             group.all_reduce(&mut slowest, ReduceOp::Max)?;
             let seconds = slowest.double_value(&[0]);
             if group.rank() == 0 {
+                let size = if bytes >= 1 << 20 {
+                    format!("{} MiB", bytes >> 20)
+                } else if bytes >= 1 << 10 {
+                    format!("{} KiB", bytes >> 10)
+                } else {
+                    format!("{bytes} B")
+                };
                 println!(
-                    "{:<12} {:>5} MiB {:>6} {:>12.6} {:>10.3}",
+                    "{:<12} {:>8} {:>6} {:>12.6} {:>10.3}",
                     op,
-                    bytes >> 20,
+                    size,
                     iters,
                     seconds,
                     bytes as f64 / seconds / 1e9

@@ -20,8 +20,8 @@
 use std::time::Instant;
 
 use braid_cost::cost::{
-    CollectiveTime, CostModel, DeviceSpec, Layout, MatmulRate, ModelShape, Overheads, attention_scores,
-    model::BYTE_VOCAB,
+    CollectiveTime, CostModel, DeviceSpec, Layout, MatmulRate, ModelShape, Overheads,
+    attention_scores, model::BYTE_VOCAB,
 };
 use tch::{Device, Kind, Tensor};
 
@@ -424,7 +424,6 @@ fn measure_passes(options: &Options, hidden: u64, layers: u64, out: &mut PassTim
             });
         }
     }
-    drop(between);
     let mut optimizer = AdamW::new(&model, optimizer_config())?;
     for len in PASS_LENS {
         for rows in PASS_SEQS {
@@ -1163,13 +1162,32 @@ mod tests {
         assert_eq!(got.rank_spread, 0.0);
         // Two ranks whose slowest finished 5.642 % over their mean: a spread of 0.1 (E[max of
         // two standard normals] = 1/√π = 0.5642).
+        // Their all-reduces, kept as measured beside the line through them: Gloo's shape, a
+        // scalar quick and a few bytes over a millisecond.
+        let allreduce = vec![
+            (4, 0.2e-3),
+            (24, 1.3e-3),
+            (1 << 20, 2.5e-3),
+            (4 << 20, 4.5e-3),
+        ];
         let two = Measurements {
             ranks: 2,
             rank_excess: vec![0.04, 0.07284, 0.05642],
+            allreduce: allreduce.clone(),
             ..m
         };
         let got = fit(&base, &two).expect("fits");
         assert!((got.rank_spread - 0.1).abs() < 1e-4, "{}", got.rank_spread);
+        assert_eq!(got.intra_node_latency, 0.2e-3);
+        let kept: Vec<(u64, u64, f64)> = got
+            .allreduce
+            .iter()
+            .map(|c| (c.ranks, c.bytes, c.seconds))
+            .collect();
+        let want: Vec<(u64, u64, f64)> = allreduce.iter().map(|&(b, t)| (2, b, t)).collect();
+        assert_eq!(kept, want);
+        let priced = CostModel::new(got, 2).allreduce_time(24.0, 2, 1);
+        assert!((priced - 1.3e-3).abs() < 1e-9, "{priced}");
     }
 
     #[test]

@@ -17,8 +17,7 @@ use serde::{Deserialize, Serialize};
 
 pub use device::{
     CollectiveTime, DeviceKind, DeviceProfile, DeviceSpec, HostCores, HostDecode, MatmulRate,
-    Overheads,
-    PROFILE_FORMAT, PROFILE_VERSION, measure_cpu_flops,
+    Overheads, PROFILE_FORMAT, PROFILE_VERSION, measure_cpu_flops,
 };
 pub use model::{BYTE_VOCAB, ModelShape};
 
@@ -1009,14 +1008,19 @@ mod tests {
         d.network_efficiency = 1.0;
         let line = CostModel::new(d.clone(), 2);
         // Gloo's shape: a scalar is quick, a kilobyte to a megabyte over a millisecond.
-        d.allreduce = [(4, 0.3e-3), (1024, 1.2e-3), (1 << 20, 1.6e-3), (4 << 20, 4.0e-3)]
-            .into_iter()
-            .map(|(bytes, seconds)| CollectiveTime {
-                ranks: 2,
-                bytes,
-                seconds,
-            })
-            .collect();
+        d.allreduce = [
+            (4, 0.3e-3),
+            (1024, 1.2e-3),
+            (1 << 20, 1.6e-3),
+            (4 << 20, 4.0e-3),
+        ]
+        .into_iter()
+        .map(|(bytes, seconds)| CollectiveTime {
+            ranks: 2,
+            bytes,
+            seconds,
+        })
+        .collect();
         d.check().expect("a valid table");
         let c = CostModel::new(d.clone(), 2);
         // On a measured size: its time; between two: between them, in logarithms.
@@ -1028,13 +1032,22 @@ mod tests {
         assert!((c.allreduce_time(1.0, 2, 1) - 0.3e-3).abs() < 1e-12);
         let big = c.allreduce_time(8.0 * (1 << 20) as f64, 2, 1);
         let slope = (4.0e-3 - 1.6e-3) / (3 << 20) as f64;
-        assert!((big - (4.0e-3 + slope * (4 << 20) as f64)).abs() < 1e-9, "{big}");
+        assert!(
+            (big - (4.0e-3 + slope * (4 << 20) as f64)).abs() < 1e-9,
+            "{big}"
+        );
         // Where the line priced 24 bytes at its latency, the table prices what was measured.
         assert!(line.allreduce_time(24.0, 2, 1) < 0.25e-3);
         assert!(c.allreduce_time(24.0, 2, 1) > 0.45e-3);
         // Another rank count, or a group across nodes, is not in the table: the line.
-        assert_eq!(c.allreduce_time(1024.0, 4, 1), line.allreduce_time(1024.0, 4, 1));
-        assert_eq!(c.allreduce_time(1024.0, 2, 2), line.allreduce_time(1024.0, 2, 2));
+        assert_eq!(
+            c.allreduce_time(1024.0, 4, 1),
+            line.allreduce_time(1024.0, 4, 1)
+        );
+        assert_eq!(
+            c.allreduce_time(1024.0, 2, 2),
+            line.allreduce_time(1024.0, 2, 2)
+        );
         // A bad entry is an error that names the table.
         d.allreduce[0].seconds = 0.0;
         assert!(d.check().unwrap_err().contains("device.allreduce"));
