@@ -10,9 +10,12 @@
 //!   layers. What each costs beyond the cost model's roofline for that shape — priced with the
 //!   measured rates above — is split into a part per layer and a part per pass
 //!   ([`Overheads`], [`fit`]);
-//! - with more than one CPU rank, Gloo all-reduces from 4 bytes to 4 MiB over all ranks: the
-//!   latency and bandwidth of the collective ([`fit_collective`]). GPU collectives (NCCL) are
-//!   not timed; a GPU profile keeps the datasheet's interconnect figures.
+//! - the engine's generations as a run's go: on a thread started for each, the prefill after a
+//!   training micro-batch (cold, as a run's generation follows its other work);
+//! - with more than one CPU rank, Gloo all-reduces from 4 bytes to 16 MiB over all ranks: kept
+//!   as measured ([`DeviceSpec::allreduce`]) and as a latency and a bandwidth
+//!   ([`fit_collective`]). GPU collectives (NCCL) are not timed; a GPU profile keeps the
+//!   datasheet's interconnect figures.
 //!
 //! Every rank measures at once, as the ranks of a run compute at once on a shared machine; the
 //! figures are averaged over the ranks.
