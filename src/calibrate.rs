@@ -198,6 +198,18 @@ fn calibrate_here(args: &Args) -> Result<Option<String>, (String, u8)> {
             d.intra_node_latency * 1e6,
             d.intra_node_bandwidth / 1e9
         ));
+        let exchanges: Vec<String> = m
+            .allgather
+            .iter()
+            .map(|&(b, t)| format!("{} {:.2} ms", bytes_short(b), t * 1e3))
+            .collect();
+        if !exchanges.is_empty() {
+            s.push_str(&format!(
+                "\n  the runtime's exchange among {} ranks (all-gather, bytes in all): {}",
+                world.size,
+                exchanges.join(", ")
+            ));
+        }
     }
     if !m.rank_excess.is_empty() {
         let mean = m.rank_excess.iter().sum::<f64>() / m.rank_excess.len() as f64;

@@ -95,6 +95,10 @@ pub const COLLECTIVE_BYTES: [u64; 11] = [
     16 << 20,
 ];
 
+/// Sizes, in bytes over all ranks, of the runtime's exchanges calibration times: from a few
+/// metrics through a tiny example's rollout (kilobytes) to a large one's.
+pub const EXCHANGE_BYTES: [u64; 5] = [64, 1 << 10, 8 << 10, 64 << 10, 1 << 20];
+
 /// How long and on what to measure.
 #[derive(Clone, Debug)]
 pub struct Options {
@@ -149,6 +153,10 @@ pub struct Measurements {
     pub passes: PassTimes,
     /// `(bytes, seconds)` of all-reduces over every rank (empty on one rank).
     pub allreduce: Vec<(u64, f64)>,
+    /// `(bytes in all, seconds)` of the runtime's exchanges among every rank (empty on one
+    /// rank).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub allgather: Vec<(u64, f64)>,
     /// Ranks that measured at once.
     pub ranks: usize,
     /// Per repetition of the same training micro-batch started on every rank at once: the
@@ -293,6 +301,7 @@ pub fn measure(options: &Options, group: Option<&ProcessGroup>) -> Result<Measur
         mem_bandwidth,
         passes,
         allreduce: Vec::new(),
+        allgather: Vec::new(),
         ranks: group.map_or(1, |g| g.size()),
         rank_excess: Vec::new(),
     };
@@ -320,6 +329,23 @@ pub fn measure(options: &Options, group: Option<&ProcessGroup>) -> Result<Measur
             let mut secs = Tensor::from_slice(&[start.elapsed().as_secs_f64() / reps as f64]);
             g.all_reduce(&mut secs, ReduceOp::Max)?;
             m.allreduce.push((bytes, secs.double_value(&[0])));
+        }
+        // The runtime's exchange among its ranks (rollouts, inference rows, metrics), through
+        // its own function: every rank's share of `bytes` to every rank.
+        let n = g.size() as u64;
+        for &bytes in &EXCHANGE_BYTES {
+            let share = vec![7u8; (bytes / n).max(1) as usize];
+            g.barrier()?;
+            crate::exec::all_gather_bytes(g, share.clone())?;
+            let reps = if bytes >= 1 << 20 { 10 } else { 50 };
+            g.barrier()?;
+            let start = Instant::now();
+            for _ in 0..reps {
+                crate::exec::all_gather_bytes(g, share.clone())?;
+            }
+            let mut secs = Tensor::from_slice(&[start.elapsed().as_secs_f64() / reps as f64]);
+            g.all_reduce(&mut secs, ReduceOp::Max)?;
+            m.allgather.push((bytes, secs.double_value(&[0])));
         }
     }
     Ok(m)
@@ -814,6 +840,15 @@ pub fn fit(base: &DeviceSpec, m: &Measurements) -> Result<DeviceSpec> {
                 seconds,
             })
             .collect();
+        d.allgather = m
+            .allgather
+            .iter()
+            .map(|&(bytes, seconds)| CollectiveTime {
+                ranks: m.ranks as u64,
+                bytes,
+                seconds,
+            })
+            .collect();
     }
     if let Some(spread) = rank_spread(&m.rank_excess, m.ranks) {
         d.rank_spread = spread;
@@ -1116,6 +1151,7 @@ mod tests {
             mem_bandwidth: truth.mem_bandwidth,
             passes: p,
             allreduce: Vec::new(),
+            allgather: Vec::new(),
             ranks: 1,
             rank_excess: Vec::new(),
         };
@@ -1173,10 +1209,12 @@ mod tests {
             (1 << 20, 2.5e-3),
             (4 << 20, 4.5e-3),
         ];
+        let allgather = vec![(64, 0.5e-3), (8 << 10, 1.1e-3)];
         let two = Measurements {
             ranks: 2,
             rank_excess: vec![0.04, 0.07284, 0.05642],
             allreduce: allreduce.clone(),
+            allgather: allgather.clone(),
             ..m
         };
         let got = fit(&base, &two).expect("fits");
@@ -1189,8 +1227,20 @@ mod tests {
             .collect();
         let want: Vec<(u64, u64, f64)> = allreduce.iter().map(|&(b, t)| (2, b, t)).collect();
         assert_eq!(kept, want);
-        let priced = CostModel::new(got, 2).allreduce_time(24.0, 2, 1);
+        let exchanges: Vec<(u64, u64, f64)> = got
+            .allgather
+            .iter()
+            .map(|c| (c.ranks, c.bytes, c.seconds))
+            .collect();
+        let want: Vec<(u64, u64, f64)> = allgather.iter().map(|&(b, t)| (2, b, t)).collect();
+        assert_eq!(exchanges, want);
+        let c = CostModel::new(got, 2);
+        let priced = c.allreduce_time(24.0, 2, 1);
         assert!((priced - 1.3e-3).abs() < 1e-9, "{priced}");
+        let exchange = c
+            .host_allgather_time(8192.0, 2)
+            .expect("a CPU prices exchanges");
+        assert!((exchange - 1.1e-3).abs() < 1e-9, "{exchange}");
     }
 
     #[test]

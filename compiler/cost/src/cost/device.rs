@@ -122,6 +122,7 @@ fn gpu(kind: DeviceKind, flops: f64, hbm: f64, mem_gb: u64, nvlink: f64, net: f6
         matmul: Vec::new(),
         step_matmul: Vec::new(),
         allreduce: Vec::new(),
+        allgather: Vec::new(),
         host_decode: None,
         host_cores: None,
         rank_spread: 0.0,
@@ -294,6 +295,13 @@ pub struct DeviceSpec {
     /// datasheets): latency plus bytes over bandwidth.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub allreduce: Vec<CollectiveTime>,
+    /// The runtime's exchanges among CPU ranks timed by size (`braid calibrate`: its
+    /// `all_gather_bytes`, the ranks' lengths and then their bytes, `bytes` in all over the
+    /// ranks). Like Gloo's all-reduce, a few kilobytes cost far more than two of its smallest
+    /// latencies; [`super::CostModel::host_allgather_time`] interpolates these where it has the
+    /// rank count; empty: two latencies plus the bytes over the bandwidth.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub allgather: Vec<CollectiveTime>,
     /// A generation engine that launches every kernel of a decode step from the host (no
     /// CUDA graphs) and waits for the device at every step, so that at small batches a step
     /// takes the host's time rather than the device's; `None`: the device's time
@@ -389,6 +397,7 @@ impl DeviceSpec {
             matmul: Vec::new(),
             step_matmul: Vec::new(),
             allreduce: Vec::new(),
+            allgather: Vec::new(),
             host_decode: None,
             host_cores: None,
             rank_spread: 0.0,
@@ -422,30 +431,41 @@ impl DeviceSpec {
     /// plus the rest at the slope of its last two points (bandwidth-bound there). `None`
     /// without measurements on `ranks` ranks.
     pub fn measured_allreduce(&self, bytes: f64, ranks: u64) -> Option<f64> {
-        let mut pts: Vec<(f64, f64)> = self
-            .allreduce
-            .iter()
-            .filter(|c| c.ranks == ranks)
-            .map(|c| (c.bytes as f64, c.seconds))
-            .collect();
-        if pts.is_empty() {
-            return None;
-        }
-        pts.sort_by(|a, b| a.0.total_cmp(&b.0));
-        let (last_b, last_t) = pts[pts.len() - 1];
-        if bytes > last_b {
-            let slope = match pts.len() {
-                1 => 0.0,
-                n => {
-                    let (b0, t0) = pts[n - 2];
-                    ((last_t - t0) / (last_b - b0)).max(0.0)
-                }
-            };
-            return Some(last_t + (bytes - last_b) * slope);
-        }
-        let logs: Vec<(f64, f64)> = pts.iter().map(|&(b, t)| (b.ln(), t.ln())).collect();
-        Some(interpolate(&logs, bytes.max(1.0).ln()).exp())
+        measured_collective(&self.allreduce, bytes, ranks)
     }
+
+    /// [`DeviceSpec::measured_allreduce`] for the runtime's exchanges among ranks
+    /// ([`DeviceSpec::allgather`]), `bytes` in all over the ranks.
+    pub fn measured_allgather(&self, bytes: f64, ranks: u64) -> Option<f64> {
+        measured_collective(&self.allgather, bytes, ranks)
+    }
+}
+
+/// A collective's measured time at `bytes` on `ranks` ranks from `table` (see
+/// [`DeviceSpec::measured_allreduce`]).
+fn measured_collective(table: &[CollectiveTime], bytes: f64, ranks: u64) -> Option<f64> {
+    let mut pts: Vec<(f64, f64)> = table
+        .iter()
+        .filter(|c| c.ranks == ranks)
+        .map(|c| (c.bytes as f64, c.seconds))
+        .collect();
+    if pts.is_empty() {
+        return None;
+    }
+    pts.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let (last_b, last_t) = pts[pts.len() - 1];
+    if bytes > last_b {
+        let slope = match pts.len() {
+            1 => 0.0,
+            n => {
+                let (b0, t0) = pts[n - 2];
+                ((last_t - t0) / (last_b - b0)).max(0.0)
+            }
+        };
+        return Some(last_t + (bytes - last_b) * slope);
+    }
+    let logs: Vec<(f64, f64)> = pts.iter().map(|&(b, t)| (b.ln(), t.ln())).collect();
+    Some(interpolate(&logs, bytes.max(1.0).ln()).exp())
 }
 
 /// The rate of `table` at `rows × width`, interpolated in logarithms between its measured
@@ -647,10 +667,15 @@ impl DeviceSpec {
                 ));
             }
         }
-        for c in &self.allreduce {
+        for (table, c) in self
+            .allreduce
+            .iter()
+            .map(|c| ("allreduce", c))
+            .chain(self.allgather.iter().map(|c| ("allgather", c)))
+        {
             if c.ranks < 2 || c.bytes == 0 || !(c.seconds.is_finite() && c.seconds > 0.0) {
                 return Err(format!(
-                    "`device.allreduce` entry of {} B on {} ranks: {} s; it needs at least 2 ranks, at least 1 byte and a positive time",
+                    "`device.{table}` entry of {} B on {} ranks: {} s; it needs at least 2 ranks, at least 1 byte and a positive time",
                     c.bytes, c.ranks, c.seconds
                 ));
             }

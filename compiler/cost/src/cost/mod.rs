@@ -217,9 +217,17 @@ impl CostModel {
     /// CPU), whose calibrated collective figures are those of the same Gloo groups; `None`
     /// on accelerators, whose collective figures are their own interconnect's, not the
     /// hosts' TCP.
+    ///
+    /// With a calibrated profile's measured exchanges on `ranks` ranks of one node
+    /// ([`DeviceSpec::allgather`]), those, interpolated.
     pub fn host_allgather_time(&self, bytes: f64, ranks: u64) -> Option<f64> {
         if ranks <= 1 || self.device.kind != DeviceKind::Cpu {
             return None;
+        }
+        if ranks <= self.devices_per_node
+            && let Some(t) = self.device.measured_allgather(bytes, ranks)
+        {
+            return Some(t);
         }
         let (bw, lat) = self.link(ranks);
         let n = ranks as f64;
@@ -986,6 +994,27 @@ mod tests {
         assert!((t - (0.5e6 / 1e9 + 2.0 * 500e-6)).abs() < 1e-12, "{t}");
         assert_eq!(c.host_allgather_time(1e6, 1), None);
         assert_eq!(h100_node().host_allgather_time(1e6, 8), None);
+        // With the runtime's exchanges measured on 2 ranks: those times, interpolated; on 4
+        // ranks (not measured) the line still.
+        let mut d = c.device.clone();
+        d.allgather = [(64, 0.4e-3), (4096, 1.6e-3), (1 << 20, 3.0e-3)]
+            .into_iter()
+            .map(|(bytes, seconds)| CollectiveTime {
+                ranks: 2,
+                bytes,
+                seconds,
+            })
+            .collect();
+        d.check().expect("a valid table");
+        let m = CostModel::new(d.clone(), 4);
+        let at = m.host_allgather_time(4096.0, 2).expect("priced");
+        assert!((at - 1.6e-3).abs() < 1e-12, "{at}");
+        let mid = m.host_allgather_time(512.0, 2).expect("priced");
+        assert!((mid - (0.4e-3f64 * 1.6e-3).sqrt()).abs() < 1e-9, "{mid}");
+        let line = CostModel::new(c.device.clone(), 4).host_allgather_time(4096.0, 4);
+        assert_eq!(m.host_allgather_time(4096.0, 4), line);
+        d.allgather[1].ranks = 1;
+        assert!(d.check().unwrap_err().contains("device.allgather"));
     }
 
     #[test]
