@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
-use braid_cost::cost::DeviceProfile;
+use braid_cost::cost::{CollectiveTime, DeviceProfile};
 use braid_runtime::Kind;
 use braid_runtime::calibrate::{self, Measurements};
 use braid_runtime::dist::{GroupOptions, ProcessGroup, World};
@@ -185,29 +185,26 @@ fn calibrate_here(args: &Args) -> Result<Option<String>, (String, u8)> {
             "\n  collectives: not measured (one rank, or GPUs); the datasheet's figures are kept",
         );
     } else {
-        let times: Vec<String> = m
-            .allreduce
-            .iter()
-            .map(|&(b, t)| format!("{} {:.2} ms", bytes_short(b), t * 1e3))
-            .collect();
+        let listed = |points: &[(u64, f64)]| {
+            points
+                .iter()
+                .map(|&(b, t)| format!("{} {:.2} ms", CollectiveTime::size_label(b), t * 1e3))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
         s.push_str(&format!(
             "\n  all-reduce over {} ranks: {}; priced from these times (a line through them: \
              latency {:.0} µs, bandwidth {:.2} GB/s)",
             world.size,
-            times.join(", "),
+            listed(&m.allreduce),
             d.intra_node_latency * 1e6,
             d.intra_node_bandwidth / 1e9
         ));
-        let exchanges: Vec<String> = m
-            .allgather
-            .iter()
-            .map(|&(b, t)| format!("{} {:.2} ms", bytes_short(b), t * 1e3))
-            .collect();
-        if !exchanges.is_empty() {
+        if !m.allgather.is_empty() {
             s.push_str(&format!(
                 "\n  the runtime's exchange among {} ranks (all-gather, bytes in all): {}",
                 world.size,
-                exchanges.join(", ")
+                listed(&m.allgather)
             ));
         }
     }
@@ -266,15 +263,4 @@ fn measured_json(m: &Measurements, world: &World, args: &Args, secs: f64) -> ser
         "tiny_model_widths": calibrate::HIDDENS,
         "timings": m,
     })
-}
-
-/// `bytes` as B, KiB or MiB, for the summary.
-fn bytes_short(bytes: u64) -> String {
-    if bytes >= 1 << 20 {
-        format!("{} MiB", bytes >> 20)
-    } else if bytes >= 1 << 10 {
-        format!("{} KiB", bytes >> 10)
-    } else {
-        format!("{bytes} B")
-    }
 }

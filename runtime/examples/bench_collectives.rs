@@ -12,6 +12,7 @@ mod ranks;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
+use braid_cost::cost::CollectiveTime;
 use braid_runtime::dist::{GroupOptions, ProcessGroup, ReduceOp, World};
 use tch::{Kind, Tensor};
 
@@ -71,17 +72,10 @@ fn bench_rank() -> braid_runtime::dist::Result<()> {
             group.all_reduce(&mut slowest, ReduceOp::Max)?;
             let seconds = slowest.double_value(&[0]);
             if group.rank() == 0 {
-                let size = if bytes >= 1 << 20 {
-                    format!("{} MiB", bytes >> 20)
-                } else if bytes >= 1 << 10 {
-                    format!("{} KiB", bytes >> 10)
-                } else {
-                    format!("{bytes} B")
-                };
                 println!(
                     "{:<12} {:>8} {:>6} {:>12.6} {:>10.3}",
                     op,
-                    size,
+                    CollectiveTime::size_label(bytes as u64),
                     iters,
                     seconds,
                     bytes as f64 / seconds / 1e9

@@ -314,41 +314,39 @@ pub fn measure(options: &Options, group: Option<&ProcessGroup>) -> Result<Measur
     if let Some(g) = group.filter(|_| options.device == Device::Cpu) {
         for &bytes in &COLLECTIVE_BYTES {
             let mut t = Tensor::zeros([(bytes / 4).max(1) as i64], (Kind::Float, options.device));
-            // Every rank runs the same number of repetitions: a fixed count sized by the first
-            // rank's timing would need agreement; the minimum repetitions of `time` are enough
-            // for the small sizes, so each size is repeated a fixed number of times instead.
-            g.barrier()?;
-            g.all_reduce(&mut t, ReduceOp::Sum)?;
-            let reps = if bytes >= 1 << 20 { 10 } else { 50 };
-            g.barrier()?;
-            let start = Instant::now();
-            for _ in 0..reps {
-                g.all_reduce(&mut t, ReduceOp::Sum)?;
-            }
-            sync(&t, options.device);
-            let mut secs = Tensor::from_slice(&[start.elapsed().as_secs_f64() / reps as f64]);
-            g.all_reduce(&mut secs, ReduceOp::Max)?;
-            m.allreduce.push((bytes, secs.double_value(&[0])));
+            let secs = time_collective(g, bytes, || Ok(g.all_reduce(&mut t, ReduceOp::Sum)?))?;
+            m.allreduce.push((bytes, secs));
         }
         // The runtime's exchange among its ranks (rollouts, inference rows, metrics), through
         // its own function: every rank's share of `bytes` to every rank.
         let n = g.size() as u64;
         for &bytes in &EXCHANGE_BYTES {
             let share = vec![7u8; (bytes / n).max(1) as usize];
-            g.barrier()?;
-            crate::exec::all_gather_bytes(g, share.clone())?;
-            let reps = if bytes >= 1 << 20 { 10 } else { 50 };
-            g.barrier()?;
-            let start = Instant::now();
-            for _ in 0..reps {
-                crate::exec::all_gather_bytes(g, share.clone())?;
-            }
-            let mut secs = Tensor::from_slice(&[start.elapsed().as_secs_f64() / reps as f64]);
-            g.all_reduce(&mut secs, ReduceOp::Max)?;
-            m.allgather.push((bytes, secs.double_value(&[0])));
+            let secs = time_collective(g, bytes, || {
+                crate::exec::all_gather_bytes(g, share.clone()).map(|_| ())
+            })?;
+            m.allgather.push((bytes, secs));
         }
     }
     Ok(m)
+}
+
+/// Seconds per call of the collective `f` over `g` of `bytes`: the slowest rank's mean over a
+/// fixed number of calls (10 from a megabyte on, else 50) after one untimed call, every rank
+/// starting together. Every rank runs the same number of calls: a count sized by one rank's
+/// timing would need agreement.
+fn time_collective(g: &ProcessGroup, bytes: u64, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    g.barrier()?;
+    f()?;
+    let reps = if bytes >= 1 << 20 { 10 } else { 50 };
+    g.barrier()?;
+    let start = Instant::now();
+    for _ in 0..reps {
+        f()?;
+    }
+    let mut secs = Tensor::from_slice(&[start.elapsed().as_secs_f64() / f64::from(reps)]);
+    g.all_reduce(&mut secs, ReduceOp::Max)?;
+    Ok(secs.double_value(&[0]))
 }
 
 fn sync(t: &Tensor, device: Device) {
@@ -440,7 +438,8 @@ fn measure_passes(options: &Options, hidden: u64, layers: u64, out: &mut PassTim
         // first decode step. So: a generation of two tokens per prompt after a training
         // micro-batch, less one warm decode step timed above. (Timed back to back, the
         // prefill of `ppo_tiny`'s 8 prompts took about 1.5 ms where its runs took 2.5–3.4 ms
-        // in their first step; a one-token generation leaves out the admission.)
+        // in their first step, read with temporary timing: docs/benchmarks.md; a one-token
+        // generation leaves out the admission.)
         for (len, step) in PROMPT_LENS.into_iter().zip(steps) {
             let p = prompts(len);
             let secs = time_after(COLD_REPS, &mut between, || generate_once(&p, 2))?;
@@ -831,24 +830,8 @@ pub fn fit(base: &DeviceSpec, m: &Measurements) -> Result<DeviceSpec> {
         d.intra_node_bandwidth = bw;
         d.network_efficiency = 1.0;
         // The times themselves, which the line does not follow (`DeviceSpec::allreduce`).
-        d.allreduce = m
-            .allreduce
-            .iter()
-            .map(|&(bytes, seconds)| CollectiveTime {
-                ranks: m.ranks as u64,
-                bytes,
-                seconds,
-            })
-            .collect();
-        d.allgather = m
-            .allgather
-            .iter()
-            .map(|&(bytes, seconds)| CollectiveTime {
-                ranks: m.ranks as u64,
-                bytes,
-                seconds,
-            })
-            .collect();
+        d.allreduce = CollectiveTime::on_ranks(m.ranks as u64, &m.allreduce);
+        d.allgather = CollectiveTime::on_ranks(m.ranks as u64, &m.allgather);
     }
     if let Some(spread) = rank_spread(&m.rank_excess, m.ranks) {
         d.rank_spread = spread;

@@ -149,6 +149,31 @@ pub struct CollectiveTime {
     pub seconds: f64,
 }
 
+impl CollectiveTime {
+    /// A table of `(bytes, seconds)` measured on `ranks` ranks.
+    pub fn on_ranks(ranks: u64, points: &[(u64, f64)]) -> Vec<CollectiveTime> {
+        points
+            .iter()
+            .map(|&(bytes, seconds)| CollectiveTime {
+                ranks,
+                bytes,
+                seconds,
+            })
+            .collect()
+    }
+
+    /// A measured size as it is printed: bytes, KiB or MiB (whole).
+    pub fn size_label(bytes: u64) -> String {
+        if bytes >= 1 << 20 {
+            format!("{} MiB", bytes >> 20)
+        } else if bytes >= 1 << 10 {
+            format!("{} KiB", bytes >> 10)
+        } else {
+            format!("{bytes} B")
+        }
+    }
+}
+
 /// Seconds a pass costs beyond its roofline, by kind of pass, as a fixed part and parts per
 /// layer, per row or token, and per row or token and layer: what the framework spends around
 /// the matrix products (kernel launches, element-wise operators over the activations, sampling,
@@ -289,7 +314,7 @@ pub struct DeviceSpec {
     /// All-reduces timed by size within one node (`braid calibrate` on several CPU ranks:
     /// Gloo's). Gloo's all-reduce does not follow one latency and one bandwidth: 4 bytes
     /// take a fraction of a millisecond, anything from about a kilobyte to a megabyte over a
-    /// millisecond (its ring exchanges a chunk per step), so a fitted line priced the
+    /// millisecond (`bench_collectives`), so a fitted line priced the
     /// runtime's gradient and metric sums at a fraction of what they take. Where it has the
     /// group's rank count, [`super::CostModel::allreduce_time`] interpolates it; empty (the
     /// datasheets): latency plus bytes over bandwidth.
@@ -422,9 +447,7 @@ impl DeviceSpec {
     pub fn step_flops_at(&self, rows: f64, width: u64) -> f64 {
         rate_at(&self.step_matmul, rows, width).unwrap_or_else(|| self.flops_at(rows, width))
     }
-}
 
-impl DeviceSpec {
     /// Seconds of an all-reduce of `bytes` over `ranks` ranks of one node from the measured
     /// [`DeviceSpec::allreduce`] times on that many ranks: interpolated in logarithms between
     /// the measured sizes, the smallest's time below them, and beyond the largest its time

@@ -997,14 +997,8 @@ mod tests {
         // With the runtime's exchanges measured on 2 ranks: those times, interpolated; on 4
         // ranks (not measured) the line still.
         let mut d = c.device.clone();
-        d.allgather = [(64, 0.4e-3), (4096, 1.6e-3), (1 << 20, 3.0e-3)]
-            .into_iter()
-            .map(|(bytes, seconds)| CollectiveTime {
-                ranks: 2,
-                bytes,
-                seconds,
-            })
-            .collect();
+        d.allgather =
+            CollectiveTime::on_ranks(2, &[(64, 0.4e-3), (4096, 1.6e-3), (1 << 20, 3.0e-3)]);
         d.check().expect("a valid table");
         let m = CostModel::new(d.clone(), 4);
         let at = m.host_allgather_time(4096.0, 2).expect("priced");
@@ -1037,19 +1031,15 @@ mod tests {
         d.network_efficiency = 1.0;
         let line = CostModel::new(d.clone(), 2);
         // Gloo's shape: a scalar is quick, a kilobyte to a megabyte over a millisecond.
-        d.allreduce = [
-            (4, 0.3e-3),
-            (1024, 1.2e-3),
-            (1 << 20, 1.6e-3),
-            (4 << 20, 4.0e-3),
-        ]
-        .into_iter()
-        .map(|(bytes, seconds)| CollectiveTime {
-            ranks: 2,
-            bytes,
-            seconds,
-        })
-        .collect();
+        d.allreduce = CollectiveTime::on_ranks(
+            2,
+            &[
+                (4, 0.3e-3),
+                (1024, 1.2e-3),
+                (1 << 20, 1.6e-3),
+                (4 << 20, 4.0e-3),
+            ],
+        );
         d.check().expect("a valid table");
         let c = CostModel::new(d.clone(), 2);
         // On a measured size: its time; between two: between them, in logarithms.
