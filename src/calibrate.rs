@@ -100,11 +100,13 @@ fn calibrate_here(args: &Args) -> Result<Option<String>, (String, u8)> {
     let base = cluster.device.spec();
     let mut spec = calibrate::fit(&base, &m).map_err(|e| (e.to_string(), 1))?;
     if device == braid_runtime::Device::Cpu {
-        // The host's cores (as this process may use them) shared by the ranks on it.
+        // The host's cores (as this process may use them) shared by the ranks on it; under
+        // `braid launch`'s binding, this rank's own block of them.
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         let local = world.local_size.unwrap_or(world.size).max(1);
+        let bound = std::env::var_os("BRAID_CPUS").is_some();
         spec.host_cores = Some(braid_cost::cost::HostCores {
-            cores: (cores / local).max(1) as u32,
+            cores: if bound { cores } else { (cores / local).max(1) } as u32,
             threads: args.threads.max(1) as u32,
         });
     }

@@ -1402,3 +1402,112 @@ fn a_rank_that_only_generates_and_scores_streams_and_trains_beside_the_other() {
     let (reshard, _) = span("train(policy)", "transfer");
     assert!(reshard >= critic + critic_dur, "{timeline}");
 }
+
+/// The CPUs process `pid` may run on (`Cpus_allowed_list` of its status), or `None` once it
+/// has exited.
+fn allowed_cpus(pid: u32) -> Option<String> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+        .map(|l| l.trim().to_string())
+}
+
+/// `braid launch` binds each rank to cores of its own where there is one per rank, and
+/// `--cpu-bind cores` refuses more ranks than cores.
+#[test]
+#[cfg(target_os = "linux")]
+fn ranks_are_bound_to_cores_of_their_own_or_refused() {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    // More ranks than cores: refused before any rank starts.
+    let np = (cores + 1).to_string();
+    let out = braid()
+        .args([
+            "launch",
+            "--nproc-per-node",
+            &np,
+            "--cpu-bind",
+            "cores",
+            "run",
+        ])
+        .arg("examples/ppo_tiny.rlhf")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains(&format!("--cpu-bind cores: {np} ranks on {cores} core")),
+        "{stderr}"
+    );
+    assert!(rank_pids(&stderr).is_empty(), "no rank starts: {stderr}");
+    if cores < 2 {
+        return;
+    }
+    // Two ranks: each on its own block of the cores, read from the kernel while they run.
+    let dir = tmp("bind");
+    let run_dir = dir.join("run");
+    let mut job = Job::start(&[
+        "launch",
+        "--nproc-per-node",
+        "2",
+        "--cpu-bind",
+        "cores",
+        "--grace",
+        "30",
+        "run",
+        "examples/ppo_tiny.rlhf",
+        "--steps",
+        "200",
+        "--run-dir",
+        run_dir.to_str().unwrap(),
+    ]);
+    let start = Instant::now();
+    let pids = loop {
+        let pids = rank_pids(&job.stderr());
+        if pids.len() == 2 && job.stderr().contains("braid launch: cores:") {
+            break pids;
+        }
+        if let Ok(Some(status)) = job.child.try_wait() {
+            panic!(
+                "the job ended before its ranks were read: {status}\n{}",
+                job.stderr()
+            );
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "no ranks reported:\n{}",
+            job.stderr()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let lists: Vec<String> = pids
+        .iter()
+        .map(|(r, p)| allowed_cpus(*p).unwrap_or_else(|| panic!("rank {r} (pid {p}) is gone")))
+        .collect();
+    let stderr = job.stderr();
+    for ((r, _), list) in pids.iter().zip(&lists) {
+        assert!(
+            stderr.contains(&format!("rank {r} on {list}")),
+            "rank {r} runs on {list}, which the launcher did not say:\n{stderr}"
+        );
+    }
+    let sets: Vec<Vec<usize>> = lists
+        .iter()
+        .map(|l| {
+            l.split(',')
+                .flat_map(|p| match p.split_once('-') {
+                    Some((a, b)) => (a.parse::<usize>().unwrap()..=b.parse().unwrap()).collect(),
+                    None => vec![p.parse().unwrap()],
+                })
+                .collect()
+        })
+        .collect();
+    assert!(sets.iter().all(|s| !s.is_empty()), "{lists:?}");
+    assert!(
+        sets[0].iter().all(|c| !sets[1].contains(c)),
+        "the ranks share cores: {lists:?}"
+    );
+    assert_eq!(sets[0].len() + sets[1].len(), cores, "{lists:?}");
+    drop(job);
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -266,8 +266,42 @@ impl<'p> Executor<'p> {
                     Ok((src, group))
                 }));
             }
-            let generator = gen_model.map(|gm| {
+            // This rank's own samples that other ranks read go to their sending threads from
+            // a thread of their own, the moment the engine hands them over: forwarded from
+            // this thread, they would wait for the micro-batch it is computing, and the peer
+            // with them.
+            let gen_tx = if out_tx.is_empty() {
+                tx.clone()
+            } else {
+                let (gtx, grx) = mpsc::channel::<Result<(usize, Sample)>>();
                 let tx = tx.clone();
+                let out_tx = std::mem::take(&mut out_tx);
+                let (dests, mine) = (&dests, mine.clone());
+                scope.spawn(move || {
+                    for item in grx {
+                        if let Ok((slot, sample)) = &item
+                            && mine.contains(&sample.prompt_index)
+                        {
+                            let shared = Arc::new(sample.clone());
+                            for (dst, stx) in &out_tx {
+                                if dests
+                                    .get(dst)
+                                    .is_some_and(|v| v.binary_search(slot).is_ok())
+                                {
+                                    let _ = stx.send((*slot, shared.clone()));
+                                }
+                            }
+                        }
+                        if tx.send(item).is_err() {
+                            // This thread stopped receiving (the step failed): stop forwarding.
+                            break;
+                        }
+                    }
+                });
+                gtx
+            };
+            let generator = gen_model.map(|gm| {
+                let tx = gen_tx;
                 let prompts_part = prompt_ids[mine.clone()].to_vec();
                 let sampling = sampling.clone();
                 let tail = tail.take();
@@ -361,17 +395,6 @@ impl<'p> Executor<'p> {
                     continue;
                 }
                 let r = Rollout::from_sample(&prompt_ids[sample.prompt_index], &sample);
-                if mine.contains(&sample.prompt_index) {
-                    let shared = Arc::new(sample.clone());
-                    for (dst, stx) in &out_tx {
-                        if dests
-                            .get(dst)
-                            .is_some_and(|v| v.binary_search(&slot).is_ok())
-                        {
-                            let _ = stx.send((slot, shared.clone()));
-                        }
-                    }
-                }
                 samples[slot] = Some((sample, r));
                 finished[slot] = true;
                 if ordered {
@@ -403,8 +426,6 @@ impl<'p> Executor<'p> {
                 }
             }
             drop(rx);
-            // The sending threads end when their samples are sent and their channel closes.
-            out_tx.clear();
             let gen_seconds = match generator {
                 Some(h) => {
                     let (secs, ts, groups) = h.join().map_err(|_| {
