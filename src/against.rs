@@ -35,6 +35,9 @@ pub struct RunAgainstSim {
     pub predicted: Times,
     /// Predicted over measured iteration time, less one (−0.1: predicted 10 % short).
     pub iteration_error: f64,
+    /// Whether the run recorded `time/after_generate`; if not, the measured inference after
+    /// the generation is its rollout phase less its generation (said in the text).
+    pub after_generation_recorded: bool,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -101,10 +104,19 @@ fn one_run(
             1,
         ));
     }
+    // Inference after the generation as the simulator counts it: from the generation's end
+    // to the end of the rollout phase (its inference and exchanges). `time/infer` is the
+    // inference's whole time, streamed chunks hidden under the generation included. Runs
+    // recorded before `time/after_generate` give the rollout phase less the generation.
+    let after_recorded = used.iter().all(|r| r.contains_key("time/after_generate"));
     let measured = Times {
         iteration: mean("time/step"),
         generation: mean("time/generate"),
-        inference_after_generation: mean("time/infer"),
+        inference_after_generation: if after_recorded {
+            mean("time/after_generate")
+        } else {
+            (mean("time/rollout") - mean("time/generate")).max(0.0)
+        },
         training: mean("time/train"),
     };
     let prompt = mean("prompt_length");
@@ -156,6 +168,7 @@ fn one_run(
             steps: used.len(),
             prompt_len: plan.workload.prompt_len,
             iteration_error: predicted.iteration / measured.iteration.max(1e-12) - 1.0,
+            after_generation_recorded: after_recorded,
             measured,
             predicted,
         },
@@ -225,6 +238,12 @@ pub fn to_text(c: &AgainstSim) -> String {
             };
             let _ = writeln!(s, "{name:<28} {:>12} {:>12} {:>8}", ms(m), ms(p), err);
         }
+        if !r.after_generation_recorded {
+            let _ = writeln!(
+                s,
+                "  (recorded before `time/after_generate`: inference after generation measured as `time/rollout` less `time/generate`)"
+            );
+        }
     };
     table(&c.run, &format!("run on {}", c.device));
     if let Some(u) = &c.unfused {
@@ -257,6 +276,7 @@ fn run_json(r: &RunAgainstSim) -> serde_json::Value {
         "measured": times_json(&r.measured),
         "predicted": times_json(&r.predicted),
         "iteration_error": r.iteration_error,
+        "after_generation_recorded": r.after_generation_recorded,
     })
 }
 

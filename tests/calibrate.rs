@@ -280,6 +280,63 @@ fn report_against_sim_sets_measured_beside_predicted() {
         let err = v[run]["iteration_error"].as_f64().unwrap();
         assert!((err - (p / m - 1.0)).abs() < 1e-9, "{err} vs {p}/{m}");
     }
+    // Inference after the generation, measured as the simulator counts it: from the end of
+    // the generation to the end of the rollout phase, recorded per step.
+    let mean_of = |k: &str| {
+        rows[1..]
+            .iter()
+            .map(|r| r[k].as_f64().unwrap())
+            .sum::<f64>()
+            / (rows.len() - 1) as f64
+    };
+    for r in &rows {
+        let (a, roll) = (
+            r["time/after_generate"].as_f64().unwrap(),
+            r["time/rollout"].as_f64().unwrap(),
+        );
+        assert!(a >= 0.0 && a <= roll, "{r}");
+    }
+    let after = v["run"]["measured"]["inference_after_generation"]
+        .as_f64()
+        .unwrap();
+    assert!(
+        (after - mean_of("time/after_generate")).abs() < 1e-9,
+        "{after}"
+    );
+    assert_eq!(v["run"]["after_generation_recorded"], true);
+    // A run recorded without it: the rollout phase less the generation, and the text says so.
+    let older = dir.join("older");
+    std::fs::create_dir_all(&older).unwrap();
+    for f in ["plan.json", "prompt-lengths.txt"] {
+        std::fs::copy(fused.join(f), older.join(f)).unwrap();
+    }
+    let stripped: Vec<String> = rows
+        .iter()
+        .map(|r| {
+            let mut r = r.clone();
+            r.as_object_mut().unwrap().remove("time/after_generate");
+            r.to_string()
+        })
+        .collect();
+    std::fs::write(older.join("metrics.jsonl"), stripped.join("\n") + "\n").unwrap();
+    let text = ok(&braid(&["report", s(&older), "--against-sim"]));
+    assert!(
+        text.contains("recorded before `time/after_generate`"),
+        "{text}"
+    );
+    let o: serde_json::Value = serde_json::from_str(&ok(&braid(&[
+        "report",
+        s(&older),
+        "--against-sim",
+        "--json",
+    ])))
+    .unwrap();
+    let after = o["run"]["measured"]["inference_after_generation"]
+        .as_f64()
+        .unwrap();
+    let expect = (mean_of("time/rollout") - mean_of("time/generate")).max(0.0);
+    assert!((after - expect).abs() < 1e-9, "{after} vs {expect}");
+    assert_eq!(o["run"]["after_generation_recorded"], false);
     let g = &v["streaming_gain"];
     let fm = v["run"]["measured"]["iteration"].as_f64().unwrap();
     let um = v["unfused"]["measured"]["iteration"].as_f64().unwrap();

@@ -546,6 +546,9 @@ impl<'p> Executor<'p> {
         let mut prompt_lengths = Vec::new();
         // When the rollout and every inference call on it were done (seconds into the step).
         let mut rollout_done: f64 = 0.0;
+        // When this rank's generations ended (seconds into the step; none where it generates
+        // nothing).
+        let mut generated_until: Option<f64> = None;
         let seed = derive(self.plan.seed as u64, step as u64);
         let order = self.order.clone();
         // Trainings waiting for the one they are interleaved with.
@@ -599,6 +602,8 @@ impl<'p> Executor<'p> {
                     let g0 = t0.duration_since(t_step).as_secs_f64();
                     if stats.gen_seconds > 0.0 {
                         self.span(step, id, "generate", g0, g0 + stats.gen_seconds);
+                        let end = g0 + stats.gen_seconds;
+                        generated_until = Some(generated_until.map_or(end, |t| t.max(end)));
                     }
                     let consumers: Vec<String> = self
                         .exec
@@ -918,6 +923,11 @@ impl<'p> Executor<'p> {
         m.insert("time/step".into(), t_step.elapsed().as_secs_f64());
         // Generation and inference together: the rollout phase of the step.
         m.insert("time/rollout".into(), rollout_done);
+        // What the rollout phase took after the generation: the inference and exchanges left
+        // (`braid report --against-sim` sets it beside the simulator's).
+        if let Some(g) = generated_until {
+            m.insert("time/after_generate".into(), (rollout_done - g).max(0.0));
+        }
         Ok((m, lengths, prompt_lengths))
     }
 }
