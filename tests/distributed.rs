@@ -85,6 +85,23 @@ impl Job {
         self.stderr.lock().unwrap().clone()
     }
 
+    /// Polls `done` until it holds, while the launcher runs: fails if the job ends first or
+    /// `limit` passes (`what` names the awaited state in the message).
+    fn wait_for(&mut self, what: &str, limit: Duration, done: impl Fn(&Job) -> bool) {
+        let start = Instant::now();
+        while !done(self) {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                panic!("the job ended before {what}: {status}\n{}", self.stderr());
+            }
+            assert!(
+                start.elapsed() < limit,
+                "not within {limit:?}: {what}\n{}",
+                self.stderr()
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
     /// Waits for the launcher to exit, at most `limit`.
     fn wait(&mut self, limit: Duration) -> std::process::ExitStatus {
         let start = Instant::now();
@@ -661,27 +678,12 @@ fn a_killed_rank_is_named_and_the_run_resumes() {
         "--run-dir",
         run_dir.to_str().unwrap(),
     ]);
-    let start = Instant::now();
-    loop {
-        let n = std::fs::read_to_string(run_dir.join("metrics.jsonl"))
+    job.wait_for("5 steps were recorded", Duration::from_secs(300), |_| {
+        std::fs::read_to_string(run_dir.join("metrics.jsonl"))
             .map(|t| t.lines().count())
-            .unwrap_or(0);
-        if n >= 5 {
-            break;
-        }
-        if let Ok(Some(status)) = job.child.try_wait() {
-            panic!(
-                "the run ended before it could be killed: {status}\n{}",
-                job.stderr()
-            );
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(300),
-            "no progress:\n{}",
-            job.stderr()
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
+            .unwrap_or(0)
+            >= 5
+    });
     let pids = rank_pids(&job.stderr());
     let victim = pids.iter().find(|(r, _)| *r == 1).expect("rank 1's pid").1;
     Command::new("kill")
@@ -1461,25 +1463,12 @@ fn ranks_are_bound_to_cores_of_their_own_or_refused() {
         "--run-dir",
         run_dir.to_str().unwrap(),
     ]);
-    let start = Instant::now();
-    let pids = loop {
-        let pids = rank_pids(&job.stderr());
-        if pids.len() == 2 && job.stderr().contains("braid launch: cores:") {
-            break pids;
-        }
-        if let Ok(Some(status)) = job.child.try_wait() {
-            panic!(
-                "the job ended before its ranks were read: {status}\n{}",
-                job.stderr()
-            );
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(60),
-            "no ranks reported:\n{}",
-            job.stderr()
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    job.wait_for(
+        "both ranks and their cores were reported",
+        Duration::from_secs(60),
+        |j| rank_pids(&j.stderr()).len() == 2 && j.stderr().contains("braid launch: cores:"),
+    );
+    let pids = rank_pids(&job.stderr());
     let lists: Vec<String> = pids
         .iter()
         .map(|(r, p)| allowed_cpus(*p).unwrap_or_else(|| panic!("rank {r} (pid {p}) is gone")))
