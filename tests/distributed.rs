@@ -1391,18 +1391,28 @@ fn a_rank_that_only_generates_and_scores_streams_and_trains_beside_the_other() {
     let timeline: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(runs[1].join("timeline.json")).unwrap())
             .unwrap();
-    let span = |name: &str, cat: &str| {
+    let span = |rank: usize, name: &str, cat: &str| {
         timeline["traceEvents"]
             .as_array()
             .unwrap()
             .iter()
-            .find(|e| e["tid"] == 1 && e["name"] == name && e["cat"] == cat)
+            .find(|e| e["tid"] == rank && e["name"] == name && e["cat"] == cat)
             .map(|e| (e["ts"].as_f64().unwrap(), e["dur"].as_f64().unwrap()))
-            .unwrap_or_else(|| panic!("no {name} {cat} span on rank 1: {timeline}"))
+            .unwrap_or_else(|| panic!("no {name} {cat} span on rank {rank}: {timeline}"))
     };
-    let (critic, critic_dur) = span("train(critic)", "train");
-    let (reshard, _) = span("train(policy)", "transfer");
+    let (critic, critic_dur) = span(1, "train(critic)", "train");
+    let (reshard, _) = span(1, "train(policy)", "transfer");
     assert!(reshard >= critic + critic_dur, "{timeline}");
+    // On rank 0 the weights `logprobs(policy)` read on rank 1 move to the policy's training
+    // after rank 0's own inference calls, as the plan runs them beside rank 1's: rank 0 does
+    // not wait for rank 1 to finish before it starts its own.
+    let (reference, reference_dur) = span(0, "logprobs(ref)", "inference");
+    let (score, score_dur) = span(0, "score(rm)", "inference");
+    let (to_training, _) = span(0, "logprobs(policy)", "transfer");
+    assert!(
+        to_training >= (reference + reference_dur).max(score + score_dur),
+        "{timeline}"
+    );
 }
 
 /// The CPUs process `pid` may run on (`Cpus_allowed_list` of its status), or `None` once it

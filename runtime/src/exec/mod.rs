@@ -363,6 +363,11 @@ pub struct Executor<'p> {
     tails: BTreeMap<NodeId, TailState>,
     /// Migrations started so far (each counts its finished samples under a key of its own).
     tail_round: u64,
+    /// Per call, the calls whose transfers wait to run just before it (`transfers_defer`).
+    deferred_transfers: BTreeMap<NodeId, Vec<NodeId>>,
+    /// When this rank started its current step, in seconds since the Unix epoch (the one clock
+    /// every rank's timeline is set on).
+    step_started: f64,
 }
 
 impl Executor<'_> {
@@ -409,7 +414,71 @@ impl<'p> Executor<'p> {
             at_end.push(id);
             return Ok(());
         }
+        if let Some(before) = self.transfers_defer(id) {
+            self.deferred_transfers.entry(before).or_default().push(id);
+            return Ok(());
+        }
         self.run_transfers(id, step, t_step)
+    }
+
+    /// Runs the transfers deferred to just before call `before` (`transfers_defer`), in the
+    /// order of the calls they follow.
+    fn transfers_before(&mut self, before: NodeId, step: i64, t_step: Instant) -> Result<()> {
+        for after in self.deferred_transfers.remove(&before).unwrap_or_default() {
+            self.run_transfers(after, step, t_step)?;
+        }
+        Ok(())
+    }
+
+    /// Where the transfers after call `id` may wait until just before a later call of this
+    /// iteration: they are all reshards into calls later in the order (none streamed under a
+    /// generation, whose reshards run before it starts), no call of a model they move runs in
+    /// between, and the earliest of those later calls is returned. Then the ranks that only
+    /// receive go on with their own calls first instead of waiting at once for the call `id`
+    /// to end elsewhere (`logprobs(ref)` on one rank beside `logprobs(policy)` on another,
+    /// the policy's weights moving to its training afterwards), as the plan's schedule and the
+    /// simulator run them. Every rank decides the same from the plan, so the transfers still
+    /// meet in the same order everywhere.
+    fn transfers_defer(&self, id: NodeId) -> Option<NodeId> {
+        if self.comm.is_single() {
+            return None;
+        }
+        let g = &self.plan.graph;
+        let pos = |n: NodeId| self.order.iter().position(|&x| x == n);
+        let at = pos(id)?;
+        let streamed: BTreeSet<NodeId> = self
+            .order
+            .iter()
+            .filter(|&&n| matches!(g.node(n).map(|x| &x.op), Some(Op::Generate { .. })))
+            .flat_map(|&n| self.exec.streamed(n).into_iter().map(|(c, _)| c))
+            .collect();
+        let mut first: Option<usize> = None;
+        for n in g.node_ids() {
+            match g.node(n).map(|x| &x.op) {
+                Some(Op::Reshard {
+                    model,
+                    after,
+                    before,
+                    ..
+                }) if *after == id => {
+                    let b = pos(*before).filter(|&b| b > at)?;
+                    if streamed.contains(before) {
+                        return None;
+                    }
+                    let used_between = self.order[at + 1..b].iter().any(|&between| {
+                        g.node(between)
+                            .is_some_and(|x| x.op.is_model_call() && x.op.model() == Some(*model))
+                    });
+                    if used_between {
+                        return None;
+                    }
+                    first = Some(first.map_or(b, |f| f.min(b)));
+                }
+                Some(Op::Offload { after, .. }) if *after == id => return None,
+                _ => {}
+            }
+        }
+        first.map(|b| self.order[b])
     }
 
     /// Runs the transfers after call `id` and releases the copies they read, with a timeline
@@ -538,7 +607,11 @@ impl<'p> Executor<'p> {
     /// prompts' lengths (one per prompt).
     fn step(&mut self, step: i64) -> Result<StepOut> {
         let t_step = Instant::now();
+        self.step_started = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64());
         self.timeline.clear();
+        self.deferred_transfers.clear();
         let mut vals: BTreeMap<NodeId, Val> = BTreeMap::new();
         let mut m: BTreeMap<String, f64> = BTreeMap::new();
         let mut time: BTreeMap<&'static str, f64> = BTreeMap::new();
@@ -558,6 +631,7 @@ impl<'p> Executor<'p> {
         // Calls whose transfers wait for the end of the step (see `transfers_wait`).
         let mut at_end: Vec<NodeId> = Vec::new();
         for id in order {
+            self.transfers_before(id, step, t_step)?;
             if vals.contains_key(&id) {
                 continue;
             }
@@ -899,6 +973,12 @@ impl<'p> Executor<'p> {
         // The results no node of the step read (the metrics below may).
         let rest: Vec<NodeId> = ungathered.keys().copied().collect();
         self.gather_pending(&rest, &mut ungathered, &mut vals, (step, t_step))?;
+        if let Some((before, _)) = self.deferred_transfers.pop_first() {
+            return Err(Error::invalid(
+                "plan",
+                format!("transfers wait for {before}, which never ran"),
+            ));
+        }
         // The transfers into the next iteration's calls, in the order of their calls.
         for id in at_end {
             self.run_transfers(id, step, t_step)?;

@@ -244,15 +244,32 @@ impl<'p> Executor<'p> {
         let bytes = serde_json::to_vec(&StepReport {
             metrics: mine.into_iter().map(|(k, v)| (k, Some(v))).collect(),
             spans: self.timeline.clone(),
+            started: self.step_started,
         })
         .map_err(|e| Error::invalid("metrics", e.to_string()))?;
         let all = self.comm.all_gather_bytes(bytes)?;
         let mut out: BTreeMap<String, f64> = BTreeMap::new();
         let mut spans: Vec<Span> = Vec::new();
-        for part in all {
-            let r: StepReport = serde_json::from_slice(&part)
-                .map_err(|e| Error::invalid("metrics", e.to_string()))?;
-            spans.extend(r.spans);
+        let reports = all
+            .iter()
+            .map(|part| {
+                serde_json::from_slice::<StepReport>(part)
+                    .map_err(|e| Error::invalid("metrics", e.to_string()))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        // One clock for every rank's spans (the host's: exact on one machine, as close as the
+        // nodes' clocks agree on several), counted from the earliest rank's start of the step.
+        let earliest = reports
+            .iter()
+            .map(|r| r.started)
+            .fold(f64::INFINITY, f64::min);
+        for r in reports {
+            let shift = r.started - earliest;
+            spans.extend(r.spans.into_iter().map(|mut s| {
+                s.start += shift;
+                s.end += shift;
+                s
+            }));
             for (k, v) in r.metrics {
                 let v = v.unwrap_or(f64::NAN);
                 match out.get_mut(&k) {
@@ -507,6 +524,9 @@ type Metrics = BTreeMap<String, f64>;
 struct StepReport {
     metrics: BTreeMap<String, Option<f64>>,
     spans: Vec<Span>,
+    /// When the rank started the step, in seconds since the Unix epoch: its spans count from
+    /// there, and rank 0 moves every rank's onto the earliest rank's start.
+    started: f64,
 }
 
 /// A step's files, for [`StepFiles`].

@@ -271,6 +271,8 @@ impl<'p> Executor<'p> {
             release_after: BTreeMap::new(),
             tails: migrate::tail_states(exec, options_kv, gen_lengths, realloc)?,
             tail_round: 0,
+            deferred_transfers: BTreeMap::new(),
+            step_started: 0.0,
         };
         ex.connect_pipelines()?;
         ex.release_after = ex.last_uses()?;
