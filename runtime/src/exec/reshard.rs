@@ -1,5 +1,7 @@
 //! Parameter reallocation between calls (ReaL): the plan's `reshard`, `offload` and `reload`
-//! nodes, run right after the call they follow. A reshard runs its transfer plan — every slice
+//! nodes, run right after the call they follow (or, for reshards the plan lets wait, at the end
+//! of the step or just before the call they serve: `Executor::transfers_wait`,
+//! `Executor::transfers_defer`). A reshard runs its transfer plan — every slice
 //! of every parameter from its sender to its receivers — in the plan's order on every rank
 //! (`realloc::run_plan_mapped`), from the copy of the model the earlier call ran on here into
 //! the copy the later one runs on (the whole model, a pipeline stage's share of it, either cut
