@@ -564,6 +564,7 @@ impl StepFiles {
         let thread = std::thread::Builder::new()
             .name("braid-run-files".into())
             .spawn(move || -> Result<()> {
+                crate::device::yield_to_compute();
                 for job in rx {
                     match job {
                         FileJob::Step {

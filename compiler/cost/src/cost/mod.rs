@@ -140,7 +140,8 @@ pub struct TrainStepTime {
     pub pipeline: f64,
     /// Fraction of the pipeline time each stage idles: `(pp - 1) / (M + pp - 1)`.
     pub bubble_fraction: f64,
-    /// Data-parallel gradient all-reduce (not overlapped with the backward, to stay safe).
+    /// Data-parallel gradient all-reduce (not overlapped with the backward, to stay safe), with
+    /// the sum of which gradients exist that precedes it for f32 gradients.
     pub grad_allreduce: f64,
     /// AdamW update: reads and writes fp32 master weights and both moments, reads gradients.
     pub optimizer: f64,
@@ -517,7 +518,19 @@ impl CostModel {
         let pipeline = (m as f64 + stages - 1.0) * (forward + backward);
         let bubble_fraction = (stages - 1.0) / (m as f64 + stages - 1.0);
         let grad_bytes = self.stage_weight_bytes(model, layout);
-        let grad_allreduce = self.allreduce_time(grad_bytes, layout.dp, layout.tp);
+        // Before the gradients, the runtime sums over the replicas which gradients exist on each
+        // (`comm::all_reduce_gradients`: one f64 per parameter tensor, so that a replica whose
+        // share had no tokens takes part with zeros) where it reduces the model's own f32
+        // gradients; a bf16 or f16 model reduces its f32 accumulators, every one present. On
+        // Gloo those few hundred bytes cost a good part of what the gradients' all-reduce does
+        // (`braid calibrate` times both sizes).
+        let presence = if layout.dp > 1 && self.dtype_bytes == 4 {
+            let tensors = model.param_tensors().div_ceil(layout.pp) as f64;
+            self.allreduce_time(8.0 * tensors, layout.dp, layout.tp)
+        } else {
+            0.0
+        };
+        let grad_allreduce = self.allreduce_time(grad_bytes, layout.dp, layout.tp) + presence;
         let params_here = model.params() as f64 / (layout.tp * layout.pp) as f64;
         // Master (or the f32 weight), m, v: read and written (24 B); the gradient read and the
         // model's weight written in its dtype.
@@ -960,6 +973,28 @@ mod tests {
         assert!((t.total - (t.pipeline + t.grad_allreduce + t.optimizer)).abs() < 1e-9);
         let more_mb = c.train_step_time(&m, layout, 64, 1024, 32, false);
         assert!(more_mb.bubble_fraction < t.bubble_fraction);
+    }
+
+    #[test]
+    fn replicas_reducing_f32_gradients_first_sum_which_exist() {
+        let mut c = h100_node();
+        let m = llama7b();
+        let layout = Layout {
+            dp: 2,
+            tp: 1,
+            pp: 1,
+        };
+        let bf16 = c.train_step_time(&m, layout, 64, 1024, 8, false);
+        let gradients = c.allreduce_time((m.params() * 2) as f64, 2, 1);
+        assert!((bf16.grad_allreduce - gradients).abs() < 1e-12);
+        c.dtype_bytes = 4;
+        let f32 = c.train_step_time(&m, layout, 64, 1024, 8, false);
+        let gradients = c.allreduce_time((m.params() * 4) as f64, 2, 1);
+        let presence = c.allreduce_time(8.0 * (32 * 9 + 3) as f64, 2, 1);
+        assert!((f32.grad_allreduce - gradients - presence).abs() < 1e-12);
+        // One replica: nothing to sum.
+        let one = c.train_step_time(&m, Layout::SINGLE, 64, 1024, 8, false);
+        assert_eq!(one.grad_allreduce, 0.0);
     }
 
     #[test]

@@ -209,6 +209,13 @@ impl ModelShape {
         self.layers * self.layer_params() + emb + head + self.hidden
     }
 
+    /// Parameter tensors: per layer the four attention projections, the gated MLP's three and
+    /// two norms; the embedding, the final norm and the output head unless tied (biases, as
+    /// Qwen's attention has, are not counted).
+    pub fn param_tensors(&self) -> u64 {
+        self.layers * 9 + 2 + u64::from(!self.tied_embeddings)
+    }
+
     /// The parameter count used for memory: the declared count when there is one.
     pub fn params(&self) -> u64 {
         self.declared_params
