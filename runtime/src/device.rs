@@ -16,9 +16,9 @@ pub fn default_device() -> Device {
 /// Gives the calling thread the least scheduling priority (nice 19), for a thread that keeps
 /// the run's books — its files, its metrics — while the rank computes: on a rank bound to one
 /// core (`braid launch`'s binding), it would otherwise take that core from the generation that
-/// follows each step. Measured on `ppo_tiny` on 2 ranks (docs/benchmarks.md): the file thread
-/// spent about 1 ms of CPU a step, and rank 0's generation thread waited 1.3–1.8 ms a step for
-/// its core where rank 1's waited 0.2. It still runs whenever the rank waits (every exchange),
+/// follows each step. Read with temporary timing on `ppo_tiny` on 2 ranks (docs/benchmarks.md,
+/// stop 40): the file thread spent 0.5–1.3 ms of CPU a step, and rank 0's generation thread
+/// waited 1.3–2.3 ms a step for its core where rank 1's waited 0.1–0.3. It still runs whenever the rank waits (every exchange),
 /// and at 1/70 of the core when the rank never does, so its writes are late, never lost. Does
 /// nothing off Linux or where the kernel refuses.
 pub fn yield_to_compute() {

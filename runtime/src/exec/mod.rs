@@ -446,12 +446,12 @@ impl<'p> Executor<'p> {
         let g = &self.plan.graph;
         let pos = |n: NodeId| self.order.iter().position(|&x| x == n);
         let at = pos(id)?;
-        let streamed: BTreeSet<NodeId> = self
-            .order
-            .iter()
-            .filter(|&&n| matches!(g.node(n).map(|x| &x.op), Some(Op::Generate { .. })))
-            .flat_map(|&n| self.exec.streamed(n).into_iter().map(|(c, _)| c))
-            .collect();
+        let streamed = |c: NodeId| {
+            self.order.iter().any(|&n| {
+                matches!(g.node(n).map(|x| &x.op), Some(Op::Generate { .. }))
+                    && self.exec.streamed(n).iter().any(|(s, _)| *s == c)
+            })
+        };
         let mut first: Option<usize> = None;
         for n in g.node_ids() {
             match g.node(n).map(|x| &x.op) {
@@ -462,14 +462,7 @@ impl<'p> Executor<'p> {
                     ..
                 }) if *after == id => {
                     let b = pos(*before).filter(|&b| b > at)?;
-                    if streamed.contains(before) {
-                        return None;
-                    }
-                    let used_between = self.order[at + 1..b].iter().any(|&between| {
-                        g.node(between)
-                            .is_some_and(|x| x.op.is_model_call() && x.op.model() == Some(*model))
-                    });
-                    if used_between {
+                    if streamed(*before) || self.calls_model(&self.order[at + 1..b], *model) {
                         return None;
                     }
                     first = Some(first.map_or(b, |f| f.min(b)));
@@ -479,6 +472,16 @@ impl<'p> Executor<'p> {
             }
         }
         first.map(|b| self.order[b])
+    }
+
+    /// Whether any of `nodes` is a call of `model`.
+    fn calls_model(&self, nodes: &[NodeId], model: u32) -> bool {
+        nodes.iter().any(|&n| {
+            self.plan
+                .graph
+                .node(n)
+                .is_some_and(|x| x.op.is_model_call() && x.op.model() == Some(model))
+        })
     }
 
     /// Runs the transfers after call `id` and releases the copies they read, with a timeline
@@ -519,11 +522,7 @@ impl<'p> Executor<'p> {
                     ..
                 }) if *after == id => {
                     let next_iteration = pos(*before).is_some_and(|b| b <= at);
-                    let used_later = self.order[at + 1..].iter().any(|&later| {
-                        g.node(later)
-                            .is_some_and(|x| x.op.is_model_call() && x.op.model() == Some(*model))
-                    });
-                    if !next_iteration || used_later {
+                    if !next_iteration || self.calls_model(&self.order[at + 1..], *model) {
                         return false;
                     }
                     any = true;
