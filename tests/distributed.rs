@@ -1473,10 +1473,20 @@ fn ranks_are_bound_to_cores_of_their_own_or_refused() {
         "--run-dir",
         run_dir.to_str().unwrap(),
     ]);
+    // A rank's pid is `taskset`'s until it has set the affinity and exec'd the rank: read the
+    // cores only after that.
+    let execed = |pid: u32| {
+        std::fs::read_to_string(format!("/proc/{pid}/comm")).is_ok_and(|c| c.trim() != "taskset")
+    };
     job.wait_for(
-        "both ranks and their cores were reported",
+        "both ranks and their cores were reported, and both ranks started",
         Duration::from_secs(60),
-        |j| rank_pids(&j.stderr()).len() == 2 && j.stderr().contains("braid launch: cores:"),
+        |j| {
+            let pids = rank_pids(&j.stderr());
+            pids.len() == 2
+                && j.stderr().contains("braid launch: cores:")
+                && pids.iter().all(|(_, p)| execed(*p))
+        },
     );
     let pids = rank_pids(&job.stderr());
     let lists: Vec<String> = pids

@@ -96,8 +96,12 @@ pub const COLLECTIVE_BYTES: [u64; 11] = [
 ];
 
 /// Sizes, in bytes over all ranks, of the runtime's exchanges calibration times: from a few
-/// metrics through a tiny example's rollout (kilobytes) to a large one's.
-pub const EXCHANGE_BYTES: [u64; 5] = [64, 1 << 10, 8 << 10, 64 << 10, 1 << 20];
+/// metrics through a tiny example's rollout (kilobytes) to a large one's. On 2 ranks the
+/// exchange is one all-gather up to 64 KiB and two beyond ([`exchange_inline_bytes`]): both
+/// sides of that step are measured.
+///
+/// [`exchange_inline_bytes`]: braid_cost::cost::exchange_inline_bytes
+pub const EXCHANGE_BYTES: [u64; 6] = [64, 1 << 10, 8 << 10, 64 << 10, 256 << 10, 1 << 20];
 
 /// How long and on what to measure.
 #[derive(Clone, Debug)]
@@ -314,7 +318,7 @@ pub fn measure(options: &Options, group: Option<&ProcessGroup>) -> Result<Measur
     if let Some(g) = group.filter(|_| options.device == Device::Cpu) {
         for &bytes in &COLLECTIVE_BYTES {
             let mut t = Tensor::zeros([(bytes / 4).max(1) as i64], (Kind::Float, options.device));
-            let secs = time_collective(g, bytes, || Ok(g.all_reduce(&mut t, ReduceOp::Sum)?))?;
+            let secs = time_collective(g, || Ok(g.all_reduce(&mut t, ReduceOp::Sum)?))?;
             m.allreduce.push((bytes, secs));
         }
         // The runtime's exchange among its ranks (rollouts, inference rows, metrics), through
@@ -322,7 +326,7 @@ pub fn measure(options: &Options, group: Option<&ProcessGroup>) -> Result<Measur
         let n = g.size() as u64;
         for &bytes in &EXCHANGE_BYTES {
             let share = vec![7u8; (bytes / n).max(1) as usize];
-            let secs = time_collective(g, bytes, || {
+            let secs = time_collective(g, || {
                 crate::exec::all_gather_bytes(g, share.clone()).map(|_| ())
             })?;
             m.allgather.push((bytes, secs));
@@ -331,23 +335,38 @@ pub fn measure(options: &Options, group: Option<&ProcessGroup>) -> Result<Measur
     Ok(m)
 }
 
-/// Seconds per call of the collective `f` over `g` of `bytes`: the slowest rank's mean over a
-/// fixed number of calls (10 from a megabyte on, else 50) after one untimed call, every rank
-/// starting together. Every rank runs the same number of calls: a count sized by one rank's
-/// timing would need agreement.
-fn time_collective(g: &ProcessGroup, bytes: u64, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+/// Seconds per call of the collective `f` over `g`, as a run meets it: after every rank has
+/// computed for [`COLLECTIVE_GAP`] since a barrier (so that they arrive together, as the
+/// ranks of a data-parallel call do), one timed call. The slowest rank's mean over
+/// [`COLLECTIVE_REPS`] calls, after one untimed call. Back to back, the same collectives
+/// took a fraction of that on this machine's ranks: a run never issues them so, and timing
+/// them so priced its exchanges short (docs/planning.md, the calibration's collectives).
+fn time_collective(g: &ProcessGroup, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
     g.barrier()?;
     f()?;
-    let reps = if bytes >= 1 << 20 { 10 } else { 50 };
-    g.barrier()?;
-    let start = Instant::now();
-    for _ in 0..reps {
+    let work = Tensor::ones([128, 128], (Kind::Float, Device::Cpu));
+    let mut total = 0.0;
+    for _ in 0..COLLECTIVE_REPS {
+        g.barrier()?;
+        let computing = Instant::now();
+        while computing.elapsed().as_secs_f64() < COLLECTIVE_GAP {
+            let _ = std::hint::black_box(work.matmul(&work));
+        }
+        let start = Instant::now();
         f()?;
+        total += start.elapsed().as_secs_f64();
     }
-    let mut secs = Tensor::from_slice(&[start.elapsed().as_secs_f64() / f64::from(reps)]);
+    let mut secs = Tensor::from_slice(&[total / COLLECTIVE_REPS as f64]);
     g.all_reduce(&mut secs, ReduceOp::Max)?;
     Ok(secs.double_value(&[0]))
 }
+
+/// Seconds every rank computes before each timed collective ([`time_collective`]): about as
+/// long as a tiny example's calls between two of its exchanges.
+const COLLECTIVE_GAP: f64 = 0.02;
+
+/// Timed calls per collective and size ([`time_collective`]).
+const COLLECTIVE_REPS: usize = 16;
 
 fn sync(t: &Tensor, device: Device) {
     if let Device::Cuda(i) = device {

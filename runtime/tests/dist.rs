@@ -80,6 +80,21 @@ fn collectives_rank(rank: usize) {
     g.all_gather(&mut output, &input).expect("all_gather");
     assert_eq!(i64s(&output), [0, 0, 1, 10, 2, 20]);
 
+    // The runtime's exchange of byte messages: one all-gather where every message fits in
+    // its first, a second for the rest of a longer one; empty messages too.
+    let cap = braid_cost::cost::exchange_inline_bytes(3);
+    for sizes in [
+        [0, 0, 0],
+        [0, 5, cap],
+        [cap, cap + 1, 3],
+        [100_000, 0, 2 * cap + 7],
+    ] {
+        let message =
+            |of: usize| -> Vec<u8> { (0..sizes[of]).map(|i| (i * 31 + of * 7) as u8).collect() };
+        let got = braid_runtime::exec::all_gather_bytes(&g, message(rank)).expect("exchange");
+        assert_eq!(got, (0..3).map(message).collect::<Vec<_>>(), "{sizes:?}");
+    }
+
     let input = Tensor::arange(6, (Kind::Int64, tch::Device::Cpu)) + 100 * r;
     let mut output = Tensor::zeros([2], (Kind::Int64, tch::Device::Cpu));
     g.reduce_scatter(&mut output, &input, ReduceOp::Sum)

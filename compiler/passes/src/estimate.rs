@@ -301,10 +301,10 @@ pub fn call_time(a: &Annotated, id: NodeId, p: &Placement) -> f64 {
 }
 
 /// What a training on several data-parallel replicas ends with, beyond its optimizer steps
-/// (`runtime/src/exec/train.rs`): two sums over its replicas, one of its loss, entropy and
-/// token count (three f64) and, where its loss declares metrics, one of a sum and a count per
-/// metric name. Small as they are, on Gloo each costs an all-reduce's fixed time, over a
-/// millisecond from a few dozen bytes on (`DeviceSpec::allreduce`).
+/// (`runtime/src/exec/train.rs`): one sum over its replicas of its loss, entropy and token
+/// count (three f64) and, where its loss declares metrics, a sum and a count per metric name.
+/// Small as it is, on Gloo it costs an all-reduce's fixed time, over a millisecond
+/// (`DeviceSpec::allreduce`).
 fn metric_sums_time(a: &Annotated, id: NodeId, cost: &CostModel, p: &Placement) -> f64 {
     if p.dp <= 1 {
         return 0.0;
@@ -324,11 +324,7 @@ fn metric_sums_time(a: &Annotated, id: NodeId, cost: &CostModel, p: &Placement) 
                 .len(),
             _ => 0,
         });
-    let mut t = cost.allreduce_time(3.0 * 8.0, p.dp, p.tp);
-    if metrics > 0 {
-        t += cost.allreduce_time(2.0 * 8.0 * metrics as f64, p.dp, p.tp);
-    }
-    t
+    cost.allreduce_time(8.0 * (3 + 2 * metrics) as f64, p.dp, p.tp)
 }
 
 /// The length train `id`'s micro-batches pad to, on average: `global` sequences per optimizer

@@ -19,6 +19,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use braid_cost::cost::exchange_inline_bytes;
 use braid_ir::exec_plan::{Coords, ExecPlan, Placement};
 use braid_ir::graph::{NodeId, Op};
 use tch::{Device, Kind, Tensor};
@@ -293,24 +294,64 @@ impl Comm {
     }
 }
 
-/// Every rank's bytes over `group`: their lengths first, then the bytes padded to the longest.
+/// Every rank's bytes over `group`. One all-gather carries each rank's length and its first
+/// [`exchange_inline_bytes`] bytes (padded to that); where a message is longer, a second
+/// carries every rank's rest, padded to the longest rest. Every rank learns every length from
+/// the first, so all agree on whether the second runs and on its size.
 pub fn all_gather_bytes(group: &ProcessGroup, mine: Vec<u8>) -> Result<Vec<Vec<u8>>> {
     let n = group.size();
-    let mut lens = Tensor::zeros([n as i64], (Kind::Int64, Device::Cpu));
-    let me = Tensor::from_slice(&[mine.len() as i64]);
-    group.all_gather(&mut lens, &me)?;
-    let lens: Vec<i64> = Vec::<i64>::try_from(&lens).map_err(Error::Torch)?;
-    let longest = lens.iter().copied().max().unwrap_or(0).max(1) as usize;
-    let mut padded = mine;
-    padded.resize(longest, 0);
-    let input = Tensor::from_slice(&padded);
-    let mut out = Tensor::zeros([(n * longest) as i64], (Kind::Uint8, Device::Cpu));
-    group.all_gather(&mut out, &input)?;
+    let cap = exchange_inline_bytes(n);
+    let slot = LEN_BYTES + cap;
+    let head = mine.len().min(cap);
+    let mut first = vec![0u8; slot];
+    first[..LEN_BYTES].copy_from_slice(&(mine.len() as u64).to_le_bytes());
+    first[LEN_BYTES..LEN_BYTES + head].copy_from_slice(&mine[..head]);
+    let mut out = Tensor::zeros([(n * slot) as i64], (Kind::Uint8, Device::Cpu));
+    group.all_gather(&mut out, &Tensor::from_slice(&first))?;
     let all: Vec<u8> = Vec::<u8>::try_from(&out).map_err(Error::Torch)?;
-    Ok((0..n)
-        .map(|r| all[r * longest..r * longest + lens[r].max(0) as usize].to_vec())
-        .collect())
+    let mut lens = Vec::with_capacity(n);
+    for r in 0..n {
+        let mut b = [0u8; LEN_BYTES];
+        b.copy_from_slice(&all[r * slot..r * slot + LEN_BYTES]);
+        let len = u64::from_le_bytes(b);
+        if len > MAX_MESSAGE {
+            return Err(Error::invalid(
+                "exchange",
+                format!("rank {r} announced a message of {len} bytes"),
+            ));
+        }
+        lens.push(len as usize);
+    }
+    let mut messages: Vec<Vec<u8>> = (0..n)
+        .map(|r| {
+            let at = r * slot + LEN_BYTES;
+            all[at..at + lens[r].min(cap)].to_vec()
+        })
+        .collect();
+    let rest = lens
+        .iter()
+        .map(|l| l.saturating_sub(cap))
+        .max()
+        .unwrap_or(0);
+    if rest > 0 {
+        let mut padded = mine[head..].to_vec();
+        padded.resize(rest, 0);
+        let mut out = Tensor::zeros([(n * rest) as i64], (Kind::Uint8, Device::Cpu));
+        group.all_gather(&mut out, &Tensor::from_slice(&padded))?;
+        let all: Vec<u8> = Vec::<u8>::try_from(&out).map_err(Error::Torch)?;
+        for (r, m) in messages.iter_mut().enumerate() {
+            m.extend_from_slice(&all[r * rest..r * rest + lens[r].saturating_sub(cap)]);
+        }
+    }
+    Ok(messages)
 }
+
+/// The bytes of a message's length in [`all_gather_bytes`]'s first all-gather.
+const LEN_BYTES: usize = 8;
+
+/// The longest message [`all_gather_bytes`] takes a peer's word for (1 TiB): a longer one is
+/// a corrupt exchange, not something to allocate.
+const MAX_MESSAGE: u64 = 1 << 40;
 
 /// Sums `values` over `group`, in place (in f64, so counts stay exact).
 pub(super) fn sum(group: &ProcessGroup, values: &mut [f64]) -> Result<()> {

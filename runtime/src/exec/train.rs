@@ -201,8 +201,12 @@ impl<'p> Executor<'p> {
             // in the same order everywhere.
             let mut metric_sums: Vec<f64> = metrics.values().flat_map(|&(s, c)| [s, c]).collect();
             if let Some(g) = group {
-                comm::sum(g, &mut local)?;
-                comm::sum(g, &mut metric_sums)?;
+                // One all-reduce for both: on Gloo each collective costs round trips.
+                let mut all: Vec<f64> = local.iter().copied().chain(metric_sums).collect();
+                comm::sum(g, &mut all)?;
+                let n = local.len();
+                local.copy_from_slice(&all[..n]);
+                metric_sums = all[n..].to_vec();
             }
             if let Some(rep) = gen_copy.as_mut()
                 && *replica_share == *home

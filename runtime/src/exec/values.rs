@@ -295,7 +295,7 @@ pub(super) fn decode_rows(b: &[u8]) -> Result<Vec<(usize, PerSampleOut)>> {
 }
 
 /// Several messages as one, each kept whole: what one exchange among the ranks carries where
-/// it would otherwise take one exchange (two collectives) per message.
+/// it would otherwise take one exchange (one or two collectives) per message.
 pub(super) fn encode_parts(parts: &[Vec<u8>]) -> Vec<u8> {
     let mut w = Wire::default();
     w.u64(parts.len() as u64);

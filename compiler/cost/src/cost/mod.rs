@@ -148,6 +148,15 @@ pub struct TrainStepTime {
     pub total: f64,
 }
 
+/// Bytes of each rank's message that the runtime's exchange among `ranks` ranks carries in
+/// its first all-gather, beside the message's length: an exchange whose every message fits is
+/// one collective; a longer one sends the rest in a second. 64 KiB over all ranks, at least
+/// 1 KiB each: the padding every rank sends is then small beside a second collective's
+/// start-up on a host network, and stays small however many ranks gather.
+pub fn exchange_inline_bytes(ranks: usize) -> usize {
+    ((64 << 10) / ranks.max(1)).max(1 << 10)
+}
+
 impl CostModel {
     pub fn new(device: DeviceSpec, devices_per_node: u64) -> CostModel {
         CostModel {
@@ -213,8 +222,10 @@ impl CostModel {
     /// An all-gather over the host network of `bytes` in all (every rank's share together)
     /// among `ranks` processes, as the runtime exchanges rollouts and inference rows between
     /// its ranks (Gloo over TCP, CPU tensors): every rank receives the others' `(n-1)/n` of
-    /// the bytes, plus two start-up latencies (the runtime's exchange is two all-gathers: the
-    /// ranks' lengths, then their bytes). Priced only where the device is the host (the
+    /// the bytes, plus one start-up latency per collective: one where every rank's share fits
+    /// in [`exchange_inline_bytes`], else two (the runtime's exchange carries each rank's
+    /// length and its first bytes in one all-gather, the rest in a second). Priced only where
+    /// the device is the host (the
     /// CPU), whose calibrated collective figures are those of the same Gloo groups; `None`
     /// on accelerators, whose collective figures are their own interconnect's, not the
     /// hosts' TCP.
@@ -232,8 +243,12 @@ impl CostModel {
         }
         let (bw, lat) = self.link(ranks);
         let n = ranks as f64;
-        // Two collectives: the ranks' lengths, then their bytes.
-        Some((n - 1.0) / n * bytes / (bw * self.device.network_efficiency) + 2.0 * lat)
+        let collectives = if bytes / n <= exchange_inline_bytes(ranks as usize) as f64 {
+            1.0
+        } else {
+            2.0
+        };
+        Some((n - 1.0) / n * bytes / (bw * self.device.network_efficiency) + collectives * lat)
     }
 
     /// Weight bytes one device holds under `layout`.
@@ -1024,9 +1039,20 @@ mod tests {
         d.network_efficiency = 1.0;
         let c = CostModel::new(d, 2);
         // Each of 2 ranks receives the other's half of 1 MB, after two latencies (the
-        // lengths' all-gather, then the bytes').
+        // lengths and first bytes' all-gather, then the rest's).
         let t = c.host_allgather_time(1e6, 2).expect("priced on a CPU");
         assert!((t - (0.5e6 / 1e9 + 2.0 * 500e-6)).abs() < 1e-12, "{t}");
+        // Shares that fit in the first all-gather take one latency; one byte more, two.
+        let fits = (2 * exchange_inline_bytes(2)) as f64;
+        let t = c.host_allgather_time(fits, 2).expect("priced");
+        assert!((t - (fits / 2.0 / 1e9 + 500e-6)).abs() < 1e-12, "{t}");
+        let t = c.host_allgather_time(fits + 2.0, 2).expect("priced");
+        assert!(
+            (t - ((fits + 2.0) / 2.0 / 1e9 + 2.0 * 500e-6)).abs() < 1e-12,
+            "{t}"
+        );
+        assert_eq!(exchange_inline_bytes(2), 32 << 10);
+        assert_eq!(exchange_inline_bytes(1000), 1 << 10);
         assert_eq!(c.host_allgather_time(1e6, 1), None);
         assert_eq!(h100_node().host_allgather_time(1e6, 8), None);
         // With the runtime's exchanges measured on 2 ranks: those times, interpolated; on 4
