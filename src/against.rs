@@ -47,16 +47,38 @@ pub struct AgainstSim {
     pub unfused: Option<RunAgainstSim>,
     /// Unfused over fused iteration time: measured and predicted.
     pub streaming_gain: Option<(f64, f64)>,
+    /// Whether the run without streaming executed the same plan as the run (the planner
+    /// streamed nothing in it): then any measured gain is the machine's run-to-run variation.
+    pub same_plan: Option<bool>,
     /// The simulated iteration of the run's plan, and its device count (for `--trace`).
     pub simulated: (braid_cost::sim::SimReport, usize),
 }
 
 type Fail = (String, u8);
 
-fn one_run(
-    dir: &Path,
-    profile: Option<&braid_cost::cost::DeviceSpec>,
-) -> Result<(RunAgainstSim, String, braid_cost::sim::SimReport, usize), Fail> {
+/// Whether two plans run the same work: the same program, cluster and decisions, whatever
+/// their notes on what was not done and their searches' records say.
+fn same_work(a: &ExecPlan, b: &ExecPlan) -> bool {
+    let decided = |p: &ExecPlan| {
+        let mut d = p.decisions.clone();
+        d.notes.clear();
+        d.passes_run.clear();
+        d.search = None;
+        d.placement_why.clear();
+        d
+    };
+    a.plan == b.plan && a.cluster == b.cluster && decided(a) == decided(b)
+}
+
+type OneRun = (
+    RunAgainstSim,
+    String,
+    braid_cost::sim::SimReport,
+    usize,
+    ExecPlan,
+);
+
+fn one_run(dir: &Path, profile: Option<&braid_cost::cost::DeviceSpec>) -> Result<OneRun, Fail> {
     let (_, rows) = crate::report::read_metrics(dir)?;
     let plan_path = dir.join("plan.json");
     let text = std::fs::read_to_string(&plan_path)
@@ -175,6 +197,7 @@ fn one_run(
         device,
         r,
         plan.cluster.devices() as usize,
+        plan,
     ))
 }
 
@@ -187,10 +210,13 @@ pub fn against_sim(
         Some(p) => Some(crate::plan::profile(p).map_err(|e| (e, 2))?),
         None => None,
     };
-    let (run, device, report, devices) = one_run(run_dir, profile.as_ref())?;
-    let unfused = match unfused {
-        Some(d) => Some(one_run(d, profile.as_ref())?.0),
-        None => None,
+    let (run, device, report, devices, plan) = one_run(run_dir, profile.as_ref())?;
+    let (unfused, same_plan) = match unfused {
+        Some(d) => {
+            let (u, _, _, _, other) = one_run(d, profile.as_ref())?;
+            (Some(u), Some(same_work(&plan, &other)))
+        }
+        None => (None, None),
     };
     let streaming_gain = unfused.as_ref().map(|u| {
         (
@@ -203,6 +229,7 @@ pub fn against_sim(
         run,
         unfused,
         streaming_gain,
+        same_plan,
         simulated: (report, devices),
     })
 }
@@ -255,6 +282,12 @@ pub fn to_text(c: &AgainstSim) -> String {
             "gain of streaming (iteration without over with): measured {m:.2}x, predicted {p:.2}x (difference {:+.2}x)",
             p - m
         );
+        if c.same_plan == Some(true) {
+            let _ = writeln!(
+                s,
+                "  the two runs executed the same plan (nothing streams in it): the measured gain is the machine's run-to-run variation"
+            );
+        }
     }
     s
 }
@@ -287,5 +320,6 @@ pub fn to_json(c: &AgainstSim) -> serde_json::Value {
         "run": run_json(&c.run),
         "unfused": c.unfused.as_ref().map(run_json),
         "streaming_gain": c.streaming_gain.map(|(m, p)| serde_json::json!({"measured": m, "predicted": p})),
+        "same_plan": c.same_plan,
     })
 }

@@ -209,6 +209,22 @@ fn calibrate_here(args: &Args) -> Result<Option<String>, (String, u8)> {
                 listed(&m.allgather)
             ));
         }
+        let mut skews: Vec<f64> = m.allgather_apart.iter().map(|p| p.0).collect();
+        skews.sort_by(f64::total_cmp);
+        skews.dedup();
+        for skew in skews {
+            let at: Vec<(u64, f64)> = m
+                .allgather_apart
+                .iter()
+                .filter(|p| p.0 == skew)
+                .map(|p| (p.1, p.2))
+                .collect();
+            s.push_str(&format!(
+                "\n    to the last rank when it arrives {:.1} ms after the others: {}",
+                skew * 1e3,
+                listed(&at)
+            ));
+        }
     }
     if !m.rank_excess.is_empty() {
         let mean = m.rank_excess.iter().sum::<f64>() / m.rank_excess.len() as f64;

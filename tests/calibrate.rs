@@ -257,6 +257,28 @@ fn report_against_sim_sets_measured_beside_predicted() {
     let v: serde_json::Value = serde_json::from_str(&json).unwrap();
     // The first step warms up and is left out.
     assert_eq!(v["run"]["steps"], 2);
+    // Whether the two runs executed the same plan: not where the run streams, and said so
+    // where they did (a run against itself).
+    let plan = |d: &std::path::Path| -> serde_json::Value {
+        serde_json::from_str(&std::fs::read_to_string(d.join("plan.json")).unwrap()).unwrap()
+    };
+    let cut_per_sample = |d: &std::path::Path| {
+        plan(d)["decisions"]["streams"]
+            .as_object()
+            .is_some_and(|m| m.values().any(|s| s["cut"] == "sample"))
+    };
+    // On one rank the quickstart streams its per-sample calls; without fusion nothing does.
+    assert!(cut_per_sample(&fused) && !cut_per_sample(&unfused));
+    assert_eq!(v["same_plan"], serde_json::json!(false), "{json}");
+    let itself = ok(&braid(&[
+        "report",
+        s(&fused),
+        "--against-sim",
+        "--unfused",
+        s(&fused),
+    ]));
+    assert!(itself.contains("executed the same plan"), "{itself}");
+    assert!(!text.contains("executed the same plan"), "{text}");
     let metrics = std::fs::read_to_string(fused.join("metrics.jsonl")).unwrap();
     let rows: Vec<serde_json::Value> = metrics
         .lines()

@@ -103,6 +103,13 @@ pub const COLLECTIVE_BYTES: [u64; 11] = [
 /// [`exchange_inline_bytes`]: braid_cost::cost::exchange_inline_bytes
 pub const EXCHANGE_BYTES: [u64; 6] = [64, 1 << 10, 8 << 10, 64 << 10, 256 << 10, 1 << 20];
 
+/// Seconds by which the last rank arrives after the others when calibration times the
+/// exchange a second way ([`time_collective`]): the ranks of a run do not finish a call
+/// together (on this machine's 2 ranks a tiny example's generations ended 0.2 to 7 ms apart),
+/// and the exchange that follows costs the last of them far less than when all arrive at once
+/// (`DeviceSpec::allgather`, `CollectiveTime::skew`).
+pub const EXCHANGE_SKEWS: [f64; 3] = [0.5e-3, 2e-3, 8e-3];
+
 /// How long and on what to measure.
 #[derive(Clone, Debug)]
 pub struct Options {
@@ -161,6 +168,10 @@ pub struct Measurements {
     /// rank).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub allgather: Vec<(u64, f64)>,
+    /// `(skew, bytes in all, seconds)` of the same exchanges when the last rank arrives `skew`
+    /// seconds after the others: its own time ([`EXCHANGE_SKEWS`]; empty on one rank).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub allgather_apart: Vec<(f64, u64, f64)>,
     /// Ranks that measured at once.
     pub ranks: usize,
     /// Per repetition of the same training micro-batch started on every rank at once: the
@@ -306,6 +317,7 @@ pub fn measure(options: &Options, group: Option<&ProcessGroup>) -> Result<Measur
         passes,
         allreduce: Vec::new(),
         allgather: Vec::new(),
+        allgather_apart: Vec::new(),
         ranks: group.map_or(1, |g| g.size()),
         rank_excess: Vec::new(),
     };
@@ -318,7 +330,7 @@ pub fn measure(options: &Options, group: Option<&ProcessGroup>) -> Result<Measur
     if let Some(g) = group.filter(|_| options.device == Device::Cpu) {
         for &bytes in &COLLECTIVE_BYTES {
             let mut t = Tensor::zeros([(bytes / 4).max(1) as i64], (Kind::Float, options.device));
-            let secs = time_collective(g, || Ok(g.all_reduce(&mut t, ReduceOp::Sum)?))?;
+            let secs = time_collective(g, 0.0, || Ok(g.all_reduce(&mut t, ReduceOp::Sum)?))?;
             m.allreduce.push((bytes, secs));
         }
         // The runtime's exchange among its ranks (rollouts, inference rows, metrics), through
@@ -326,37 +338,53 @@ pub fn measure(options: &Options, group: Option<&ProcessGroup>) -> Result<Measur
         let n = g.size() as u64;
         for &bytes in &EXCHANGE_BYTES {
             let share = vec![7u8; (bytes / n).max(1) as usize];
-            let secs = time_collective(g, || {
-                crate::exec::all_gather_bytes(g, share.clone()).map(|_| ())
-            })?;
-            m.allgather.push((bytes, secs));
+            for skew in std::iter::once(0.0).chain(EXCHANGE_SKEWS) {
+                let secs = time_collective(g, skew, || {
+                    crate::exec::all_gather_bytes(g, share.clone()).map(|_| ())
+                })?;
+                if skew == 0.0 {
+                    m.allgather.push((bytes, secs));
+                } else {
+                    m.allgather_apart.push((skew, bytes, secs));
+                }
+            }
         }
     }
     Ok(m)
 }
 
 /// Seconds per call of the collective `f` over `g`, as a run meets it: after every rank has
-/// computed for [`COLLECTIVE_GAP`] since a barrier (so that they arrive together, as the
-/// ranks of a data-parallel call do), one timed call. The slowest rank's mean over
-/// [`COLLECTIVE_REPS`] calls, after one untimed call. Back to back, the same collectives
-/// took a fraction of that on this machine's ranks: a run never issues them so, and timing
-/// them so priced its exchanges short (docs/planning.md, the calibration's collectives).
-fn time_collective(g: &ProcessGroup, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+/// computed for [`COLLECTIVE_GAP`] since a barrier, one timed call. With `skew` 0 the ranks
+/// arrive together, as the ranks of a data-parallel call would if they ran at one speed: the
+/// slowest rank's mean over [`COLLECTIVE_REPS`] calls, after one untimed call. With a `skew`,
+/// the last rank computes that much longer, and the time is its own mean: what the call costs
+/// the rank that everyone waited for, which is what a run's ranks, finishing their calls
+/// apart, meet (docs/planning.md, the calibration's collectives). Back to back, the same
+/// collectives took a fraction of the together time on this machine's ranks: a run never
+/// issues them so, and timing them so priced its exchanges short.
+fn time_collective(g: &ProcessGroup, skew: f64, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
     g.barrier()?;
     f()?;
     let work = Tensor::ones([128, 128], (Kind::Float, Device::Cpu));
+    let last = g.rank() + 1 == g.size();
+    let gap = COLLECTIVE_GAP + if last { skew } else { 0.0 };
     let mut total = 0.0;
     for _ in 0..COLLECTIVE_REPS {
         g.barrier()?;
         let computing = Instant::now();
-        while computing.elapsed().as_secs_f64() < COLLECTIVE_GAP {
+        while computing.elapsed().as_secs_f64() < gap {
             let _ = std::hint::black_box(work.matmul(&work));
         }
         let start = Instant::now();
         f()?;
         total += start.elapsed().as_secs_f64();
     }
-    let mut secs = Tensor::from_slice(&[total / COLLECTIVE_REPS as f64]);
+    let mine = if skew == 0.0 || last {
+        total / COLLECTIVE_REPS as f64
+    } else {
+        0.0
+    };
+    let mut secs = Tensor::from_slice(&[mine]);
     g.all_reduce(&mut secs, ReduceOp::Max)?;
     Ok(secs.double_value(&[0]))
 }
@@ -851,6 +879,10 @@ pub fn fit(base: &DeviceSpec, m: &Measurements) -> Result<DeviceSpec> {
         // The times themselves, which the line does not follow (`DeviceSpec::allreduce`).
         d.allreduce = CollectiveTime::on_ranks(m.ranks as u64, &m.allreduce);
         d.allgather = CollectiveTime::on_ranks(m.ranks as u64, &m.allgather);
+        d.allgather.extend(CollectiveTime::apart_on_ranks(
+            m.ranks as u64,
+            &m.allgather_apart,
+        ));
     }
     if let Some(spread) = rank_spread(&m.rank_excess, m.ranks) {
         d.rank_spread = spread;
@@ -1154,6 +1186,7 @@ mod tests {
             passes: p,
             allreduce: Vec::new(),
             allgather: Vec::new(),
+            allgather_apart: Vec::new(),
             ranks: 1,
             rank_excess: Vec::new(),
         };
@@ -1212,11 +1245,14 @@ mod tests {
             (4 << 20, 4.5e-3),
         ];
         let allgather = vec![(64, 0.5e-3), (8 << 10, 1.1e-3)];
+        // And the same exchanges to a last rank 2 ms late: 0.3 and 0.4 ms.
+        let apart = vec![(2e-3, 64, 0.3e-3), (2e-3, 8 << 10, 0.4e-3)];
         let two = Measurements {
             ranks: 2,
             rank_excess: vec![0.04, 0.07284, 0.05642],
             allreduce: allreduce.clone(),
             allgather: allgather.clone(),
+            allgather_apart: apart.clone(),
             ..m
         };
         let got = fit(&base, &two).expect("fits");
@@ -1229,12 +1265,16 @@ mod tests {
             .collect();
         let want: Vec<(u64, u64, f64)> = allreduce.iter().map(|&(b, t)| (2, b, t)).collect();
         assert_eq!(kept, want);
-        let exchanges: Vec<(u64, u64, f64)> = got
+        let exchanges: Vec<(u64, u64, f64, f64)> = got
             .allgather
             .iter()
-            .map(|c| (c.ranks, c.bytes, c.seconds))
+            .map(|c| (c.ranks, c.bytes, c.seconds, c.skew))
             .collect();
-        let want: Vec<(u64, u64, f64)> = allgather.iter().map(|&(b, t)| (2, b, t)).collect();
+        let want: Vec<(u64, u64, f64, f64)> = allgather
+            .iter()
+            .map(|&(b, t)| (2, b, t, 0.0))
+            .chain(apart.iter().map(|&(s, b, t)| (2, b, t, s)))
+            .collect();
         assert_eq!(exchanges, want);
         let c = CostModel::new(got, 2);
         let priced = c.allreduce_time(24.0, 2, 1);
@@ -1243,6 +1283,12 @@ mod tests {
             .host_allgather_time(8192.0, 2)
             .expect("a CPU prices exchanges");
         assert!((exchange - 1.1e-3).abs() < 1e-9, "{exchange}");
+        // The skewed entries price the late rank, and leave the together price alone.
+        let late = c
+            .host_allgather_time_apart(8192.0, 2, 2e-3)
+            .expect("a CPU prices exchanges");
+        assert!((late - 0.4e-3).abs() < 1e-9, "{late}");
+        assert_eq!(c.exchange_skews(2), vec![0.0, 2e-3]);
     }
 
     #[test]

@@ -105,6 +105,27 @@ fn gathered_bytes(op: &Op, size: &estimate::CallSize) -> Option<f64> {
     }
 }
 
+/// The runtime's exchange of `bytes` in all among `ranks` CPU ranks: priced at each arrival
+/// skew the profile measured it at ([`crate::cost::CostModel::host_allgather_time_apart`]), the
+/// skew expected from the ranks' measured spread
+/// ([`crate::cost::CostModel::arrival_range`]).
+fn exchange_work(cost: &crate::cost::CostModel, bytes: f64, ranks: u64) -> Work {
+    let by_skew = cost
+        .exchange_skews(ranks)
+        .into_iter()
+        .map(|skew| {
+            let secs = cost
+                .host_allgather_time_apart(bytes, ranks, skew)
+                .unwrap_or(0.0);
+            (skew, secs)
+        })
+        .collect();
+    Work::Exchange {
+        by_skew,
+        range: cost.arrival_range(ranks),
+    }
+}
+
 /// A call whose results are not exchanged among the ranks yet (see [`build_dag`]).
 #[derive(Clone, Copy, Debug)]
 struct Unexchanged {
@@ -195,14 +216,11 @@ fn build_dag(
             return;
         };
         let bytes: f64 = parts.iter().map(|p| p.2).sum();
-        let secs = cost
-            .host_allgather_time(bytes, all_devices.len() as u64)
-            .unwrap_or(0.0);
         let t = b.task(
             &format!("{first} gather"),
             "gather",
             all_devices.clone(),
-            Work::Fixed { seconds: secs },
+            exchange_work(cost, bytes, all_devices.len() as u64),
         );
         for (id, call, _) in parts {
             b.after(t, call);
@@ -475,15 +493,12 @@ fn build_dag(
                 })
                 .sum();
             if bytes > 0.0 {
-                let secs = cost
-                    .host_allgather_time(bytes, all_devices.len() as u64)
-                    .unwrap_or(0.0);
                 // Part of the training as the runtime times it (`time/train`).
                 let t = b.task(
                     &format!("{id} gather of the reused log-probabilities"),
                     "train",
                     all_devices.clone(),
-                    Work::Fixed { seconds: secs },
+                    exchange_work(cost, bytes, all_devices.len() as u64),
                 );
                 b.after(t, task);
             }

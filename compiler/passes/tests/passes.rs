@@ -763,6 +763,23 @@ fn calls_on_several_ranks_end_with_their_slowest() {
         for (t0, t1) in d0.tasks.iter().zip(&d1.tasks) {
             let k = if t0.devices.len() > 1 { factor } else { 1.0 };
             match (&t0.work, &t1.work) {
+                // An exchange is priced at the skew the spread makes the ranks arrive apart.
+                (
+                    Work::Exchange {
+                        by_skew: a,
+                        range: r0,
+                    },
+                    Work::Exchange {
+                        by_skew: b,
+                        range: r1,
+                    },
+                ) => {
+                    assert_eq!(a, b, "{}", t0.name);
+                    let n = t0.devices.len() as u64;
+                    assert_eq!(*r0, even.cost.arrival_range(n), "{}", t0.name);
+                    assert_eq!(*r1, spread.cost.arrival_range(n), "{}", t0.name);
+                    assert!(*r1 > 0.0, "{}", t0.name);
+                }
                 (Work::Fixed { seconds: a }, Work::Fixed { seconds: b }) if t0.stage == "train" => {
                     assert!(
                         (b - a * k).abs() <= 1e-12 + 1e-9 * a,

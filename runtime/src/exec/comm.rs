@@ -306,9 +306,7 @@ pub fn all_gather_bytes(group: &ProcessGroup, mine: Vec<u8>) -> Result<Vec<Vec<u
     let mut first = vec![0u8; slot];
     first[..LEN_BYTES].copy_from_slice(&(mine.len() as u64).to_le_bytes());
     first[LEN_BYTES..LEN_BYTES + head].copy_from_slice(&mine[..head]);
-    let mut out = Tensor::zeros([(n * slot) as i64], (Kind::Uint8, Device::Cpu));
-    group.all_gather(&mut out, &Tensor::from_slice(&first))?;
-    let all: Vec<u8> = Vec::<u8>::try_from(&out).map_err(Error::Torch)?;
+    let all = gather_slots(group, &first)?;
     let mut lens = Vec::with_capacity(n);
     for r in 0..n {
         let mut b = [0u8; LEN_BYTES];
@@ -336,14 +334,22 @@ pub fn all_gather_bytes(group: &ProcessGroup, mine: Vec<u8>) -> Result<Vec<Vec<u
     if rest > 0 {
         let mut padded = mine[head..].to_vec();
         padded.resize(rest, 0);
-        let mut out = Tensor::zeros([(n * rest) as i64], (Kind::Uint8, Device::Cpu));
-        group.all_gather(&mut out, &Tensor::from_slice(&padded))?;
-        let all: Vec<u8> = Vec::<u8>::try_from(&out).map_err(Error::Torch)?;
+        let all = gather_slots(group, &padded)?;
         for (r, m) in messages.iter_mut().enumerate() {
             m.extend_from_slice(&all[r * rest..r * rest + lens[r].saturating_sub(cap)]);
         }
     }
     Ok(messages)
+}
+
+/// Every rank's `slot` (of one length on every rank) over `group`, end to end in rank order.
+fn gather_slots(group: &ProcessGroup, slot: &[u8]) -> Result<Vec<u8>> {
+    let mut out = Tensor::zeros(
+        [(group.size() * slot.len()) as i64],
+        (Kind::Uint8, Device::Cpu),
+    );
+    group.all_gather(&mut out, &Tensor::from_slice(slot))?;
+    Vec::<u8>::try_from(&out).map_err(Error::Torch)
 }
 
 /// The bytes of a message's length in [`all_gather_bytes`]'s first all-gather.

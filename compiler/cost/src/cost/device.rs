@@ -139,18 +139,24 @@ pub struct MatmulRate {
     pub flops: f64,
 }
 
-/// A measured all-reduce: `bytes` summed over `ranks` ranks of one node took `seconds`
-/// (`braid calibrate`, the runtime's own collectives).
+/// A measured collective: `bytes` over `ranks` ranks of one node took `seconds` (`braid
+/// calibrate`, the runtime's own collectives).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct CollectiveTime {
     pub ranks: u64,
     pub bytes: u64,
     pub seconds: f64,
+    /// Seconds the last rank arrived after the others, and `seconds` is that rank's own time
+    /// (the others waited for it); 0: every rank arrived at once, and `seconds` is the
+    /// slowest rank's. Measured for the exchanges only
+    /// ([`super::CostModel::host_allgather_time_apart`]).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub skew: f64,
 }
 
 impl CollectiveTime {
-    /// A table of `(bytes, seconds)` measured on `ranks` ranks.
+    /// A table of `(bytes, seconds)` measured on `ranks` ranks arriving together.
     pub fn on_ranks(ranks: u64, points: &[(u64, f64)]) -> Vec<CollectiveTime> {
         points
             .iter()
@@ -158,6 +164,21 @@ impl CollectiveTime {
                 ranks,
                 bytes,
                 seconds,
+                skew: 0.0,
+            })
+            .collect()
+    }
+
+    /// A table of `(skew, bytes, seconds)` measured on `ranks` ranks, the last arriving
+    /// `skew` seconds after the others.
+    pub fn apart_on_ranks(ranks: u64, points: &[(f64, u64, f64)]) -> Vec<CollectiveTime> {
+        points
+            .iter()
+            .map(|&(skew, bytes, seconds)| CollectiveTime {
+                ranks,
+                bytes,
+                seconds,
+                skew,
             })
             .collect()
     }
@@ -324,7 +345,9 @@ pub struct DeviceSpec {
     /// `all_gather_bytes`, the ranks' lengths and then their bytes, `bytes` in all over the
     /// ranks). Like Gloo's all-reduce, a few kilobytes cost far more than two of its smallest
     /// latencies; [`super::CostModel::host_allgather_time`] interpolates these where it has the
-    /// rank count; empty: two latencies plus the bytes over the bandwidth.
+    /// rank count; empty: two latencies plus the bytes over the bandwidth. Entries with a
+    /// [`CollectiveTime::skew`] are the same exchanges' cost to a last rank that arrived that
+    /// long after the others ([`super::CostModel::host_allgather_time_apart`]).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub allgather: Vec<CollectiveTime>,
     /// A generation engine that launches every kernel of a decode step from the host (no
@@ -454,22 +477,47 @@ impl DeviceSpec {
     /// plus the rest at the slope of its last two points (bandwidth-bound there). `None`
     /// without measurements on `ranks` ranks.
     pub fn measured_allreduce(&self, bytes: f64, ranks: u64) -> Option<f64> {
-        measured_collective(&self.allreduce, bytes, ranks)
+        measured_collective(&self.allreduce, bytes, ranks, 0.0)
     }
 
     /// [`DeviceSpec::measured_allreduce`] for the runtime's exchanges among ranks
-    /// ([`DeviceSpec::allgather`]), `bytes` in all over the ranks.
+    /// ([`DeviceSpec::allgather`]), `bytes` in all over the ranks, every rank arriving at once.
     pub fn measured_allgather(&self, bytes: f64, ranks: u64) -> Option<f64> {
-        measured_collective(&self.allgather, bytes, ranks)
+        measured_collective(&self.allgather, bytes, ranks, 0.0)
+    }
+
+    /// What the exchange of `bytes` costs its last rank when it arrives `skew` seconds after
+    /// the first: interpolated linearly in the skew between the skews measured
+    /// ([`CollectiveTime::skew`], the together times at 0), each at `bytes` as
+    /// [`DeviceSpec::measured_allreduce`] interpolates sizes; beyond the largest skew measured,
+    /// its time. `None` without exchanges measured on `ranks` ranks; the together time
+    /// where none was measured apart.
+    pub fn measured_allgather_apart(&self, bytes: f64, ranks: u64, skew: f64) -> Option<f64> {
+        let together = self.measured_allgather(bytes, ranks)?;
+        let mut skews: Vec<f64> = self
+            .allgather
+            .iter()
+            .filter(|c| c.ranks == ranks && c.skew > 0.0)
+            .map(|c| c.skew)
+            .collect();
+        skews.sort_by(f64::total_cmp);
+        skews.dedup();
+        let mut pts = vec![(0.0, together)];
+        for s in skews {
+            if let Some(t) = measured_collective(&self.allgather, bytes, ranks, s) {
+                pts.push((s, t));
+            }
+        }
+        Some(interpolate(&pts, skew.max(0.0)))
     }
 }
 
-/// A collective's measured time at `bytes` on `ranks` ranks from `table` (see
-/// [`DeviceSpec::measured_allreduce`]).
-fn measured_collective(table: &[CollectiveTime], bytes: f64, ranks: u64) -> Option<f64> {
+/// A collective's measured time at `bytes` on `ranks` ranks from `table`'s entries measured
+/// at arrival skew `skew` (see [`DeviceSpec::measured_allreduce`]).
+fn measured_collective(table: &[CollectiveTime], bytes: f64, ranks: u64, skew: f64) -> Option<f64> {
     let mut pts: Vec<(f64, f64)> = table
         .iter()
-        .filter(|c| c.ranks == ranks)
+        .filter(|c| c.ranks == ranks && c.skew == skew)
         .map(|c| (c.bytes as f64, c.seconds))
         .collect();
     if pts.is_empty() {
@@ -696,10 +744,14 @@ impl DeviceSpec {
             .map(|c| ("allreduce", c))
             .chain(self.allgather.iter().map(|c| ("allgather", c)))
         {
-            if c.ranks < 2 || c.bytes == 0 || !(c.seconds.is_finite() && c.seconds > 0.0) {
+            if c.ranks < 2
+                || c.bytes == 0
+                || !(c.seconds.is_finite() && c.seconds > 0.0)
+                || !(c.skew.is_finite() && c.skew >= 0.0)
+            {
                 return Err(format!(
-                    "`device.{table}` entry of {} B on {} ranks: {} s; it needs at least 2 ranks, at least 1 byte and a positive time",
-                    c.bytes, c.ranks, c.seconds
+                    "`device.{table}` entry of {} B on {} ranks: {} s after a skew of {} s; it needs at least 2 ranks, at least 1 byte, a positive time and a skew of at least 0",
+                    c.bytes, c.ranks, c.seconds, c.skew
                 ));
             }
         }

@@ -186,6 +186,18 @@ impl CostModel {
         1.0 + s * expected_max_normal(ranks)
     }
 
+    /// The expected spread of the times at which `ranks` ranks doing the same work finish, per
+    /// second of that work: the expected range of `ranks` draws from a normal distribution
+    /// with the device's measured [`DeviceSpec::rank_spread`] (`spread · 2 · E[max of ranks
+    /// standard normals]`). 0 on one rank or without a measured spread.
+    pub fn arrival_range(&self, ranks: u64) -> f64 {
+        let s = self.device.rank_spread;
+        if ranks <= 1 || s.is_nan() || s <= 0.0 {
+            return 0.0;
+        }
+        s * 2.0 * expected_max_normal(ranks)
+    }
+
     /// Ring all-reduce of `bytes` over `ranks` devices spaced `stride` ranks apart: every rank
     /// sends and receives `2(n-1)/n` of the buffer, plus one start-up latency (NCCL's
     /// low-latency protocol makes small all-reduces cost about that, whatever the ring size).
@@ -249,6 +261,38 @@ impl CostModel {
             2.0
         };
         Some((n - 1.0) / n * bytes / (bw * self.device.network_efficiency) + collectives * lat)
+    }
+
+    /// [`CostModel::host_allgather_time`] to the last of the ranks when it arrives `skew`
+    /// seconds after the first, from the profile's exchanges measured so
+    /// ([`DeviceSpec::measured_allgather_apart`]): on this machine's 2 ranks an exchange of a
+    /// few kilobytes cost 2.7–4.0 ms when every rank arrived at once, and 0.5–0.8 ms to a
+    /// rank that arrived 0.5 ms or more after the other (docs/planning.md). Without such
+    /// measurements the skew changes nothing.
+    pub fn host_allgather_time_apart(&self, bytes: f64, ranks: u64, skew: f64) -> Option<f64> {
+        let together = self.host_allgather_time(bytes, ranks)?;
+        if ranks <= self.devices_per_node
+            && let Some(t) = self.device.measured_allgather_apart(bytes, ranks, skew)
+        {
+            return Some(t);
+        }
+        Some(together)
+    }
+
+    /// The arrival skews at which the profile measured the exchange among `ranks` ranks (the
+    /// points where [`CostModel::host_allgather_time_apart`] changes slope), 0 first.
+    pub fn exchange_skews(&self, ranks: u64) -> Vec<f64> {
+        let mut skews: Vec<f64> = self
+            .device
+            .allgather
+            .iter()
+            .filter(|c| c.ranks == ranks && c.skew > 0.0 && ranks <= self.devices_per_node)
+            .map(|c| c.skew)
+            .collect();
+        skews.push(0.0);
+        skews.sort_by(f64::total_cmp);
+        skews.dedup();
+        skews
     }
 
     /// Weight bytes one device holds under `layout`.
@@ -1070,6 +1114,67 @@ mod tests {
         assert_eq!(m.host_allgather_time(4096.0, 4), line);
         d.allgather[1].ranks = 1;
         assert!(d.check().unwrap_err().contains("device.allgather"));
+    }
+
+    #[test]
+    fn a_late_rank_pays_what_the_exchange_measured_apart_cost_it() {
+        let mut d = DeviceKind::Cpu.spec();
+        d.allgather = CollectiveTime::on_ranks(2, &[(64, 3.0e-3), (1 << 20, 6.0e-3)]);
+        // Without skewed measurements, the skew changes nothing.
+        let c = CostModel::new(d.clone(), 2);
+        assert_eq!(c.exchange_skews(2), vec![0.0]);
+        assert_eq!(
+            c.host_allgather_time_apart(64.0, 2, 1e-3),
+            c.host_allgather_time(64.0, 2)
+        );
+        d.allgather.extend(CollectiveTime::apart_on_ranks(
+            2,
+            &[
+                (0.5e-3, 64, 0.5e-3),
+                (0.5e-3, 1 << 20, 2.0e-3),
+                (2e-3, 64, 0.7e-3),
+                (2e-3, 1 << 20, 2.5e-3),
+            ],
+        ));
+        d.check().expect("a valid table");
+        let c = CostModel::new(d.clone(), 2);
+        assert_eq!(c.exchange_skews(2), vec![0.0, 0.5e-3, 2e-3]);
+        let at = |skew: f64| c.host_allgather_time_apart(64.0, 2, skew).expect("a CPU");
+        // Together: the together table; at a measured skew, its entry; between two, the line
+        // between them; beyond the last, the last.
+        assert!((at(0.0) - 3.0e-3).abs() < 1e-12);
+        assert!((at(0.25e-3) - 1.75e-3).abs() < 1e-12, "{}", at(0.25e-3));
+        assert!((at(0.5e-3) - 0.5e-3).abs() < 1e-12);
+        assert!((at(1.25e-3) - 0.6e-3).abs() < 1e-12, "{}", at(1.25e-3));
+        assert!((at(10e-3) - 0.7e-3).abs() < 1e-12);
+        // The together time itself is unchanged by the skewed entries.
+        assert!((c.host_allgather_time(64.0, 2).expect("a CPU") - 3.0e-3).abs() < 1e-12);
+        // Larger exchanges interpolate in size within each skew's table.
+        let big = c.host_allgather_time_apart((1 << 20) as f64, 2, 0.5e-3);
+        assert!((big.expect("a CPU") - 2.0e-3).abs() < 1e-12);
+        // Not measured on 4 ranks: no skews, the line.
+        let four = CostModel::new(d.clone(), 4);
+        assert_eq!(four.exchange_skews(4), vec![0.0]);
+        d.allgather[3].skew = -1.0;
+        assert!(d.check().unwrap_err().contains("skew"));
+    }
+
+    #[test]
+    fn ranks_arrive_apart_by_the_expected_range_of_their_spread() {
+        let mut d = DeviceKind::Cpu.spec();
+        d.rank_spread = 0.0;
+        let c = CostModel::new(d.clone(), 2);
+        assert_eq!(c.arrival_range(2), 0.0);
+        d.rank_spread = 0.1;
+        let c = CostModel::new(d, 4);
+        assert_eq!(c.arrival_range(1), 0.0);
+        // Two ranks: E|X1 − X2| = 2σ/√π.
+        let two = c.arrival_range(2);
+        assert!(
+            (two - 0.2 / std::f64::consts::PI.sqrt()).abs() < 1e-6,
+            "{two}"
+        );
+        assert!(c.arrival_range(4) > two);
     }
 
     #[test]

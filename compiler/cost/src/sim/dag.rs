@@ -83,9 +83,47 @@ pub enum Work {
         stages: u64,
         replicas: u64,
     },
+    /// An exchange among the ranks of its devices (the runtime's all-gathers on CPU ranks),
+    /// which costs the last rank to arrive what `by_skew` gives at the skew of their arrivals:
+    /// `(skew, seconds)` points, sorted by skew, the first at skew 0 (every rank at once),
+    /// interpolated linearly and flat beyond the last. The simulator runs a data-parallel
+    /// call's ranks as one task ending together; the runtime's ranks end apart, by about
+    /// `range` × the seconds since they last met in an exchange (or since the iteration
+    /// began), the expected range of their finishing times (see
+    /// [`crate::cost::CostModel::arrival_range`]). [`Work::exchange_seconds`].
+    Exchange {
+        by_skew: Vec<(f64, f64)>,
+        range: f64,
+    },
 }
 
 impl Work {
+    /// Seconds of [`Work::Exchange`] when its ranks last met `since` seconds ago; 0 for other
+    /// work.
+    pub fn exchange_seconds(&self, since: f64) -> f64 {
+        let Work::Exchange { by_skew, range } = self else {
+            return 0.0;
+        };
+        let skew = (range * since).max(0.0);
+        let Some(&(_, mut last)) = by_skew.first() else {
+            return 0.0;
+        };
+        let mut prev = by_skew[0];
+        for &(s, t) in &by_skew[1..] {
+            if skew <= s {
+                let w = if s > prev.0 {
+                    (skew - prev.0) / (s - prev.0)
+                } else {
+                    1.0
+                };
+                return prev.1 + w * (t - prev.1);
+            }
+            prev = (s, t);
+            last = t;
+        }
+        last
+    }
+
     /// Per-sample work from the cost model: a forward pass over the whole sequence of each
     /// sample on `replicas` data-parallel replicas with the given layout inside each; the
     /// micro-batch's fixed cost is reading the weights once (what a tiny micro-batch pays for).
@@ -291,6 +329,19 @@ impl DagBuilder {
                 Work::Fixed { seconds } => {
                     if !(seconds.is_finite() && *seconds >= 0.0) {
                         return err("duration must be finite and non-negative".into());
+                    }
+                }
+                Work::Exchange { by_skew, range } => {
+                    let finite = |x: f64| x.is_finite() && x >= 0.0;
+                    if by_skew.first().is_none_or(|p| p.0 != 0.0)
+                        || by_skew.windows(2).any(|w| w[1].0 <= w[0].0)
+                        || by_skew.iter().any(|p| !finite(p.0) || !finite(p.1))
+                        || !finite(*range)
+                    {
+                        return err(
+                            "an exchange needs its times by skew sorted from skew 0, finite and non-negative, and a finite non-negative range"
+                                .into(),
+                        );
                     }
                 }
                 Work::Generate(g) => {

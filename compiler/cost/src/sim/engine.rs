@@ -248,6 +248,10 @@ struct Engine<'a> {
     /// thread runs them).
     lane: Vec<Option<usize>>,
     runs: Vec<TaskRun>,
+    /// When each device's rank last met the others in an exchange ([`Work::Exchange`]).
+    met: Vec<f64>,
+    /// When the iteration began (the ranks meet at every iteration's end).
+    start: f64,
     rng: &'a mut Rng,
     timeline: &'a mut Vec<Span>,
     generations: Vec<GenerationReport>,
@@ -311,6 +315,16 @@ impl Engine<'_> {
         self.runs[i].start = now;
         match &t.work {
             Work::Fixed { seconds } => {
+                self.span(i, &t.devices, t.name.clone(), now, now + seconds);
+                self.push(now + seconds, Event::Finish(i));
+            }
+            Work::Exchange { .. } => {
+                let met = t
+                    .devices
+                    .iter()
+                    .map(|&d| self.met[d])
+                    .fold(self.start, f64::max);
+                let seconds = t.work.exchange_seconds(now - met);
                 self.span(i, &t.devices, t.name.clone(), now, now + seconds);
                 self.push(now + seconds, Event::Finish(i));
             }
@@ -451,6 +465,11 @@ impl Engine<'_> {
                 self.runs[i].state = State::Done;
                 self.runs[i].end = now;
                 let devices = self.dag.tasks[i].devices.clone();
+                if matches!(self.dag.tasks[i].work, Work::Exchange { .. }) {
+                    for &d in &devices {
+                        self.met[d] = now;
+                    }
+                }
                 self.free_devices(i, &devices);
                 // A consumer may be waiting for the last samples of a finished producer.
                 self.wake_consumers(i, now);
@@ -519,6 +538,8 @@ fn run_iteration(
             };
             dag.tasks.len()
         ],
+        met: vec![start; dag.devices],
+        start,
         rng,
         timeline,
         generations: Vec::new(),

@@ -381,6 +381,55 @@ mod tests {
     }
 
     #[test]
+    fn an_exchange_costs_what_the_skew_of_its_ranks_arrivals_gives() {
+        // Two ranks compute 10 s each, then exchange twice: the first exchange follows 10 s
+        // of work (a skew of 0.1 × 10 = 1 s: 0.5 s), the second follows the first at once
+        // (no skew: 3 s).
+        let exchange = || Work::Exchange {
+            by_skew: vec![(0.0, 3.0), (1.0, 0.5)],
+            range: 0.1,
+        };
+        let mut b = DagBuilder::new(2);
+        let w0 = b.task("w0", "work", [0], Work::Fixed { seconds: 10.0 });
+        let w1 = b.task("w1", "work", [1], Work::Fixed { seconds: 10.0 });
+        let x = b.task("x", "gather", [0, 1], exchange());
+        b.after(x, w0);
+        b.after(x, w1);
+        let y = b.task("y", "gather", [0, 1], exchange());
+        b.after(y, x);
+        let dag = b.build().expect("valid");
+        let r = simulate(&dag, &SimOptions::default()).expect("simulates");
+        let it = &r.iterations[0];
+        assert!((it.time - 13.5).abs() < 1e-9, "{}", it.time);
+        // The ranks met at the end of the iteration before: the next one prices the same.
+        assert!((r.iterations[1].time - 13.5).abs() < 1e-9);
+        // Halfway between the measured skews: halfway between their times; past the last, the
+        // last; nothing measured past 0: the together time.
+        let w = exchange();
+        assert!((w.exchange_seconds(5.0) - 1.75).abs() < 1e-12);
+        assert!((w.exchange_seconds(100.0) - 0.5).abs() < 1e-12);
+        let flat = Work::Exchange {
+            by_skew: vec![(0.0, 3.0)],
+            range: 0.1,
+        };
+        assert_eq!(flat.exchange_seconds(10.0), 3.0);
+        // Times by skew must start at skew 0 and rise in skew.
+        for by_skew in [vec![(0.5, 1.0)], vec![(0.0, 1.0), (0.0, 2.0)], vec![]] {
+            let mut b = DagBuilder::new(1);
+            b.task(
+                "x",
+                "gather",
+                [0],
+                Work::Exchange {
+                    by_skew,
+                    range: 0.1,
+                },
+            );
+            assert!(b.build().is_err());
+        }
+    }
+
+    #[test]
     fn streaming_consumers_never_run_ahead_of_the_producer() {
         let (dag, _) = ppo(&Ppo {
             fused: true,
