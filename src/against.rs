@@ -282,6 +282,16 @@ pub fn to_text(c: &AgainstSim) -> String {
             "gain of streaming (iteration without over with): measured {m:.2}x, predicted {p:.2}x (difference {:+.2}x)",
             p - m
         );
+        if let Some(u) = &c.unfused
+            && let Some(ratio) = training_control(&c.run, u)
+        {
+            let _ = writeln!(
+                s,
+                "  training, priced alike in both plans: measured {} with streaming and {} without ({ratio:.2}x): how far the machine's speed moved between the two runs",
+                ms(c.run.measured.training),
+                ms(u.measured.training)
+            );
+        }
         if c.same_plan == Some(true) {
             let _ = writeln!(
                 s,
@@ -290,6 +300,17 @@ pub fn to_text(c: &AgainstSim) -> String {
         }
     }
     s
+}
+
+/// The measured training time without streaming over the one with, where the two plans price
+/// their training alike (streaming leaves it alone, no interleaving of trainings differs): the
+/// same work measured twice, the control of the comparison. `None` where the predictions differ
+/// or a run recorded no training.
+fn training_control(run: &RunAgainstSim, unfused: &RunAgainstSim) -> Option<f64> {
+    let (a, b) = (run.predicted.training, unfused.predicted.training);
+    let alike = a > 0.0 && (b / a - 1.0).abs() < 1e-9;
+    (alike && run.measured.training > 0.0 && unfused.measured.training > 0.0)
+        .then(|| unfused.measured.training / run.measured.training)
 }
 
 fn times_json(t: &Times) -> serde_json::Value {
@@ -321,5 +342,6 @@ pub fn to_json(c: &AgainstSim) -> serde_json::Value {
         "unfused": c.unfused.as_ref().map(run_json),
         "streaming_gain": c.streaming_gain.map(|(m, p)| serde_json::json!({"measured": m, "predicted": p})),
         "same_plan": c.same_plan,
+        "training_control": c.unfused.as_ref().and_then(|u| training_control(&c.run, u)),
     })
 }

@@ -278,6 +278,25 @@ fn report_against_sim_sets_measured_beside_predicted() {
         s(&fused),
     ]));
     assert!(itself.contains("executed the same plan"), "{itself}");
+    // A run against itself: its training, priced alike, measured the same.
+    assert!(
+        itself.contains("(1.00x): how far the machine's speed moved"),
+        "{itself}"
+    );
+    // Against the run without streaming: the measured trainings' ratio, where both plans price
+    // the training alike.
+    let (tf, tu) = (
+        v["run"]["predicted"]["training"].as_f64().unwrap(),
+        v["unfused"]["predicted"]["training"].as_f64().unwrap(),
+    );
+    if (tu / tf - 1.0).abs() < 1e-9 {
+        let want = v["unfused"]["measured"]["training"].as_f64().unwrap()
+            / v["run"]["measured"]["training"].as_f64().unwrap();
+        let got = v["training_control"].as_f64().unwrap();
+        assert!((got - want).abs() < 1e-9, "{got} vs {want}");
+    } else {
+        assert!(v["training_control"].is_null(), "{json}");
+    }
     assert!(!text.contains("executed the same plan"), "{text}");
     let metrics = std::fs::read_to_string(fused.join("metrics.jsonl")).unwrap();
     let rows: Vec<serde_json::Value> = metrics
