@@ -494,6 +494,18 @@ impl DeviceSpec {
     /// where none was measured apart.
     pub fn measured_allgather_apart(&self, bytes: f64, ranks: u64, skew: f64) -> Option<f64> {
         let together = self.measured_allgather(bytes, ranks)?;
+        let mut pts = vec![(0.0, together)];
+        for s in self.allgather_skews(ranks) {
+            if let Some(t) = measured_collective(&self.allgather, bytes, ranks, s) {
+                pts.push((s, t));
+            }
+        }
+        Some(interpolate(&pts, skew.max(0.0)))
+    }
+
+    /// The arrival skews, above 0, at which exchanges were measured on `ranks` ranks
+    /// ([`CollectiveTime::skew`]), in order.
+    pub fn allgather_skews(&self, ranks: u64) -> Vec<f64> {
         let mut skews: Vec<f64> = self
             .allgather
             .iter()
@@ -502,13 +514,7 @@ impl DeviceSpec {
             .collect();
         skews.sort_by(f64::total_cmp);
         skews.dedup();
-        let mut pts = vec![(0.0, together)];
-        for s in skews {
-            if let Some(t) = measured_collective(&self.allgather, bytes, ranks, s) {
-                pts.push((s, t));
-            }
-        }
-        Some(interpolate(&pts, skew.max(0.0)))
+        skews
     }
 }
 
@@ -584,7 +590,7 @@ fn bracket(values: &[u64], x: f64) -> (u64, u64, f64) {
 }
 
 /// Piecewise-linear interpolation through sorted points, constant beyond the ends.
-fn interpolate(points: &[(f64, f64)], x: f64) -> f64 {
+pub(crate) fn interpolate(points: &[(f64, f64)], x: f64) -> f64 {
     let (first, last) = (points[0], points[points.len() - 1]);
     if x <= first.0 {
         return first.1;

@@ -282,16 +282,10 @@ impl CostModel {
     /// The arrival skews at which the profile measured the exchange among `ranks` ranks (the
     /// points where [`CostModel::host_allgather_time_apart`] changes slope), 0 first.
     pub fn exchange_skews(&self, ranks: u64) -> Vec<f64> {
-        let mut skews: Vec<f64> = self
-            .device
-            .allgather
-            .iter()
-            .filter(|c| c.ranks == ranks && c.skew > 0.0 && ranks <= self.devices_per_node)
-            .map(|c| c.skew)
-            .collect();
-        skews.push(0.0);
-        skews.sort_by(f64::total_cmp);
-        skews.dedup();
+        let mut skews = vec![0.0];
+        if ranks <= self.devices_per_node {
+            skews.extend(self.device.allgather_skews(ranks));
+        }
         skews
     }
 

@@ -104,24 +104,10 @@ impl Work {
         let Work::Exchange { by_skew, range } = self else {
             return 0.0;
         };
-        let skew = (range * since).max(0.0);
-        let Some(&(_, mut last)) = by_skew.first() else {
+        if by_skew.is_empty() {
             return 0.0;
-        };
-        let mut prev = by_skew[0];
-        for &(s, t) in &by_skew[1..] {
-            if skew <= s {
-                let w = if s > prev.0 {
-                    (skew - prev.0) / (s - prev.0)
-                } else {
-                    1.0
-                };
-                return prev.1 + w * (t - prev.1);
-            }
-            prev = (s, t);
-            last = t;
         }
-        last
+        crate::cost::device::interpolate(by_skew, (range * since).max(0.0))
     }
 
     /// Per-sample work from the cost model: a forward pass over the whole sequence of each
