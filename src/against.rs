@@ -3,7 +3,9 @@
 //! plan's generated-length distribution (the one `braid run --gen-lengths` imposed, when it
 //! was given), the prompts' mean length as the run recorded it and their lengths
 //! (`RUN_DIR/prompt-lengths.txt`, which micro-batches pad to) — and, given a run of the
-//! same program without streaming, the measured and the predicted gain of streaming.
+//! same program without streaming — or for a run that alternated streaming step by step
+//! (`braid run --alternate-streaming`), its steps without streaming — the measured and the
+//! predicted gain of streaming.
 
 use std::fmt::Write as _;
 use std::path::Path;
@@ -50,6 +52,9 @@ pub struct AgainstSim {
     /// Whether the run without streaming executed the same plan as the run (the planner
     /// streamed nothing in it): then any measured gain is the machine's run-to-run variation.
     pub same_plan: Option<bool>,
+    /// Whether the two come from one run that alternated streaming step by step (`braid run
+    /// --alternate-streaming`): measured side by side, the machine's drift on both alike.
+    pub alternating: bool,
     /// The simulated iteration of the run's plan, and its device count (for `--trace`).
     pub simulated: (braid_cost::sim::SimReport, usize),
 }
@@ -78,8 +83,36 @@ type OneRun = (
     ExecPlan,
 );
 
-fn one_run(dir: &Path, profile: Option<&braid_cost::cost::DeviceSpec>) -> Result<OneRun, Fail> {
+/// Which of a run's steps are compared: all of them, or one half of a run that alternated
+/// streaming (`braid run --alternate-streaming`, which records `unstreamed` per step).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Half {
+    All,
+    Streamed,
+    Unstreamed,
+}
+
+/// Whether the run alternated streaming step by step.
+fn alternates(dir: &Path) -> Result<bool, Fail> {
     let (_, rows) = crate::report::read_metrics(dir)?;
+    Ok(rows.iter().any(|r| r.contains_key("unstreamed")))
+}
+
+fn one_run(
+    dir: &Path,
+    profile: Option<&braid_cost::cost::DeviceSpec>,
+    half: Half,
+) -> Result<OneRun, Fail> {
+    let (_, rows) = crate::report::read_metrics(dir)?;
+    let rows: Vec<_> = match half {
+        Half::All => rows,
+        Half::Streamed | Half::Unstreamed => {
+            let off = half == Half::Unstreamed;
+            rows.into_iter()
+                .filter(|r| (r.get("unstreamed").copied().unwrap_or(0.0) > 0.5) == off)
+                .collect()
+        }
+    };
     let plan_path = dir.join("plan.json");
     let text = std::fs::read_to_string(&plan_path)
         .map_err(|e| (format!("{}: cannot read: {e}", plan_path.display()), 2))?;
@@ -99,7 +132,11 @@ fn one_run(dir: &Path, profile: Option<&braid_cost::cost::DeviceSpec>) -> Result
         }
         plan.device = Some(d.clone());
     }
-    // The steady state: every step after the first, unless there is only one.
+    if half == Half::Unstreamed {
+        // Its steps ran the plan with nothing streamed, on the same placement.
+        plan.decisions.streams.clear();
+    }
+    // The steady state: every step after the first (of the half), unless there is only one.
     let used: Vec<_> = if rows.len() > 1 {
         rows[1..].to_vec()
     } else {
@@ -210,11 +247,31 @@ pub fn against_sim(
         Some(p) => Some(crate::plan::profile(p).map_err(|e| (e, 2))?),
         None => None,
     };
-    let (run, device, report, devices, plan) = one_run(run_dir, profile.as_ref())?;
+    let alternating = alternates(run_dir)?;
+    let half = if alternating {
+        Half::Streamed
+    } else {
+        Half::All
+    };
+    let (run, device, report, devices, plan) = one_run(run_dir, profile.as_ref(), half)?;
     let (unfused, same_plan) = match unfused {
+        Some(d) if alternating => {
+            return Err((
+                format!(
+                    "{}: the run alternated streaming, its steps without streaming are the comparison; leave out --unfused {}",
+                    run_dir.display(),
+                    d.display()
+                ),
+                2,
+            ));
+        }
         Some(d) => {
-            let (u, _, _, _, other) = one_run(d, profile.as_ref())?;
+            let (u, _, _, _, other) = one_run(d, profile.as_ref(), Half::All)?;
             (Some(u), Some(same_work(&plan, &other)))
+        }
+        None if alternating => {
+            let (u, _, _, _, _) = one_run(run_dir, profile.as_ref(), Half::Unstreamed)?;
+            (Some(u), Some(false))
         }
         None => (None, None),
     };
@@ -230,6 +287,7 @@ pub fn against_sim(
         unfused,
         streaming_gain,
         same_plan,
+        alternating,
         simulated: (report, devices),
     })
 }
@@ -272,9 +330,22 @@ pub fn to_text(c: &AgainstSim) -> String {
             );
         }
     };
-    table(&c.run, &format!("run on {}", c.device));
-    if let Some(u) = &c.unfused {
-        table(u, "without streaming");
+    if c.alternating {
+        table(
+            &c.run,
+            &format!("run on {}, its steps with streaming", c.device),
+        );
+        if let Some(u) = &c.unfused {
+            table(
+                u,
+                "its steps without streaming (the plan with its streams taken out)",
+            );
+        }
+    } else {
+        table(&c.run, &format!("run on {}", c.device));
+        if let Some(u) = &c.unfused {
+            table(u, "without streaming");
+        }
     }
     if let Some((m, p)) = c.streaming_gain {
         let _ = writeln!(
@@ -287,9 +358,14 @@ pub fn to_text(c: &AgainstSim) -> String {
         {
             let _ = writeln!(
                 s,
-                "  training, priced alike in both plans: measured {} with streaming and {} without ({ratio:.2}x): how far the machine's speed moved between the two runs",
+                "  training, priced alike in both plans: measured {} with streaming and {} without ({ratio:.2}x): how far the machine's speed moved between the two {}",
                 ms(c.run.measured.training),
-                ms(u.measured.training)
+                ms(u.measured.training),
+                if c.alternating {
+                    "halves of the run"
+                } else {
+                    "runs"
+                }
             );
         }
         if c.same_plan == Some(true) {
@@ -342,6 +418,7 @@ pub fn to_json(c: &AgainstSim) -> serde_json::Value {
         "unfused": c.unfused.as_ref().map(run_json),
         "streaming_gain": c.streaming_gain.map(|(m, p)| serde_json::json!({"measured": m, "predicted": p})),
         "same_plan": c.same_plan,
+        "alternating": c.alternating,
         "training_control": c.unfused.as_ref().and_then(|u| training_control(&c.run, u)),
     })
 }

@@ -24,7 +24,8 @@ pub struct Args {
     #[arg(long, value_name = "FILE", requires = "against_sim")]
     profile: Option<PathBuf>,
     /// With --against-sim: a run of the same program without streaming (`braid run
-    /// --no-fuse`), for the measured and the predicted gain of streaming.
+    /// --no-fuse`), for the measured and the predicted gain of streaming. A run of `braid run
+    /// --alternate-streaming` holds its own comparison: its steps without streaming.
     #[arg(long, value_name = "RUN_DIR", requires = "against_sim")]
     unfused: Option<PathBuf>,
     /// With --against-sim: print JSON.

@@ -45,6 +45,11 @@ pub struct Args {
     /// plan file says what streams.
     #[arg(long)]
     no_fuse: bool,
+    /// Run every other step (the 2nd, 4th, …) without streaming, on the same placement, to
+    /// measure streaming's gain side by side in one run: `braid report RUN --against-sim` sets
+    /// the two halves beside their predictions. For plans that stream and do not migrate.
+    #[arg(long, conflicts_with_all = ["no_fuse", "eval_only"])]
+    alternate_streaming: bool,
     /// Read the plan's relative model and data paths from DIR instead of the directory the
     /// program was compiled in (for a plan moved to another machine).
     #[arg(long, value_name = "DIR")]
@@ -306,6 +311,7 @@ fn execute(args: &Args) -> Result<(), Fail> {
         migrate_kv: args.migrate_with.as_deref().map(|w| w == "kv"),
         no_realloc: args.reallocate == "off",
         tail_tuner: tail_tuner(&plan),
+        alternate_streaming: args.alternate_streaming,
     };
     if lead {
         if args.gen_lengths.is_some() {
@@ -346,6 +352,11 @@ fn execute(args: &Args) -> Result<(), Fail> {
                 .collect();
             eprintln!("streaming under {}: {}", call(g), list.join(", "));
         }
+    }
+    if lead && args.alternate_streaming {
+        eprintln!(
+            "alternating: steps 2, 4, … run without streaming (inference waits for the whole batch), on the same placement"
+        );
     }
     for (g, m) in &plan.decisions.migrations {
         if !lead {
@@ -574,6 +585,7 @@ fn eval_only(
         migrate_kv: None,
         no_realloc: true,
         tail_tuner: None,
+        alternate_streaming: false,
     };
     let mut ex = Executor::new(plan, options).map_err(runtime_err)?;
     ex.load_trained(&dir).map_err(runtime_err)?;

@@ -637,6 +637,51 @@ fn a_consumer_on_another_rank_streams_and_ppo_learns() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// `braid run --alternate-streaming` on 2 ranks (PPO streaming four calls under its
+/// generation): the steps without streaming — the 2nd and 4th — compute what the plan
+/// streaming throughout does, and every rank agrees which steps those are.
+#[test]
+fn alternating_streaming_on_two_ranks_computes_what_streaming_does() {
+    let dir = tmp("alternate");
+    let mut runs = Vec::new();
+    for (name, extra) in [
+        ("alternating", Some("--alternate-streaming")),
+        ("throughout", None),
+    ] {
+        let run_dir = dir.join(name);
+        let mut args = vec![
+            "examples/ppo_tiny.rlhf",
+            "--steps",
+            "4",
+            "--run-dir",
+            run_dir.to_str().unwrap(),
+        ];
+        args.extend(extra);
+        let (ok, stderr) = launch_run(2, &args, Duration::from_secs(300));
+        assert!(ok, "{stderr}");
+        assert!(
+            stderr.contains("streaming under generate(policy)"),
+            "{stderr}"
+        );
+        runs.push(metrics(&run_dir));
+    }
+    let halves: Vec<f64> = runs[0].iter().map(|l| num(l, "unstreamed")).collect();
+    assert_eq!(halves, [0.0, 1.0, 0.0, 1.0]);
+    // Where nothing streams a replica that runs out of samples may take some of another's
+    // (`migrate/reallocated`): where they go, not what is computed.
+    let results = |m: &[serde_json::Map<String, serde_json::Value>]| -> Vec<_> {
+        m.iter()
+            .map(|l| {
+                let mut l = l.clone();
+                l.retain(|k, _| k != "unstreamed" && !k.starts_with("migrate/"));
+                l
+            })
+            .collect()
+    };
+    same_metrics(&results(&runs[0]), &results(&runs[1]), &["reward_mean"]);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 const SMALL: &str = r#"use std::grpo
 
 model policy = tiny(vocab: "bytes", layers: 1, hidden: 32, heads: 2, seed: 5) {

@@ -527,6 +527,124 @@ fn fuse_pins_choose_what_streams_under_generation() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// `braid run --alternate-streaming` runs every other step without streaming, on the same
+/// placement: each step records which half it is in, and the run computes exactly what a run
+/// streaming throughout does — here the policy's own log-probabilities stream, so it generates
+/// on a replica, which a step without streaming leaves behind the trained weights and which
+/// is brought up to them before it generates again. `braid report --against-sim` sets the two
+/// halves beside their predictions; a plan where nothing streams is refused.
+#[test]
+fn alternating_streaming_computes_what_streaming_does_and_reports_both_halves() {
+    let dir = tmp("alternate");
+    // Two minibatches: the policy's log-probabilities are not taken from its training pass,
+    // they stream under its generation (on the same copy: the generation gets a replica).
+    let src = std::fs::read_to_string("examples/quickstart.rlhf")
+        .unwrap()
+        .replace("  group: 4\n", "  group: 4\n  minibatches: 2\n");
+    let file = dir.join("alternate.rlhf");
+    std::fs::write(&file, &src).unwrap();
+    let run = |name: &str, extra: &[&str]| {
+        let run_dir = dir.join(name);
+        let mut args = vec![
+            "run",
+            file.to_str().unwrap(),
+            "--steps",
+            "4",
+            "--run-dir",
+            run_dir.to_str().unwrap(),
+        ];
+        args.extend(extra);
+        (braid(&args), run_dir)
+    };
+    let (out, alternating) = run("alternating", &["--alternate-streaming"]);
+    ok(&out);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("streaming under generate(policy): logprobs(policy)"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("alternating: steps 2, 4"), "{stderr}");
+    let (out, throughout) = run("throughout", &[]);
+    ok(&out);
+    let a = metrics(&alternating);
+    let halves: Vec<f64> = a
+        .iter()
+        .map(|l| l["unstreamed"].as_f64().unwrap())
+        .collect();
+    assert_eq!(halves, [0.0, 1.0, 0.0, 1.0]);
+    let without_half: Vec<_> = a
+        .into_iter()
+        .map(|mut l| {
+            l.remove("unstreamed");
+            l
+        })
+        .collect();
+    assert_eq!(comparable(&without_half), comparable(&metrics(&throughout)));
+    // The report: the steps with streaming against the plan, those without against the plan
+    // with its streams taken out; the first step of each half warms up.
+    let report = |extra: &[&str]| {
+        let mut args = vec!["report", alternating.to_str().unwrap(), "--against-sim"];
+        args.extend(extra);
+        braid(&args)
+    };
+    let out = report(&["--json"]);
+    ok(&out);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["alternating"], true);
+    assert_eq!(v["same_plan"], false);
+    assert_eq!(
+        (v["run"]["steps"].as_u64(), v["unfused"]["steps"].as_u64()),
+        (Some(1), Some(1))
+    );
+    let rows = metrics(&alternating);
+    for (side, step) in [("run", 2), ("unfused", 3)] {
+        let m = v[side]["measured"]["iteration"].as_f64().unwrap();
+        assert_eq!(m, rows[step]["time/step"].as_f64().unwrap(), "{side}");
+    }
+    let (m, p) = (
+        v["streaming_gain"]["measured"].as_f64().unwrap(),
+        v["streaming_gain"]["predicted"].as_f64().unwrap(),
+    );
+    let iter = |side: &str, what: &str| v[side][what]["iteration"].as_f64().unwrap();
+    assert_eq!(m, iter("unfused", "measured") / iter("run", "measured"));
+    assert_eq!(p, iter("unfused", "predicted") / iter("run", "predicted"));
+    // Streaming hides inference under generation: the plan without it is predicted slower.
+    assert!(p > 1.0, "{v}");
+    let out = report(&[]);
+    ok(&out);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("its steps without streaming"), "{text}");
+    assert!(text.contains("between the two halves of the run"), "{text}");
+    // Its comparison is in it: another run without streaming is refused.
+    let out = report(&["--unfused", throughout.to_str().unwrap()]);
+    assert!(!out.status.success());
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        e.contains("alternated streaming") && e.contains("leave out --unfused"),
+        "{e}"
+    );
+    // Nothing to compare where nothing streams.
+    let off = dir.join("off.rlhf");
+    std::fs::write(&off, format!("{src}schedule {{\n  fuse off\n}}\n")).unwrap();
+    let out = braid(&[
+        "run",
+        off.to_str().unwrap(),
+        "--steps",
+        "2",
+        "--run-dir",
+        dir.join("off").to_str().unwrap(),
+        "--alternate-streaming",
+    ]);
+    assert!(!out.status.success());
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        e.contains("--alternate-streaming") && e.contains("nothing streams"),
+        "{e}"
+    );
+    assert!(!e.contains("panicked"), "{e}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 const ALGO_MODELS: &str = r#"
 model policy = tiny(vocab: "bytes", layers: 1, hidden: 32, heads: 2, seed: 4) {
   train: adamw(lr: 1e-3, warmup: 1, schedule: "cosine")

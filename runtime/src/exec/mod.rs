@@ -107,6 +107,11 @@ pub struct RunOptions {
     /// Re-chooses a migrating generation's threshold and kept instances from the lengths its
     /// last iteration produced (`None`: the plan's choice throughout).
     pub tail_tuner: Option<TailTuner>,
+    /// Every other step (the 2nd, 4th, …) runs without streaming: inference waits for the
+    /// whole batch, as in the plan with its streams taken out, on the same placement (`braid
+    /// run --alternate-streaming`). Streaming's gain is then measured side by side in one run,
+    /// where the machine's drift weighs on both alike; each step records `stream/off`.
+    pub alternate_streaming: bool,
 }
 
 /// Chooses long-tail migration from observed output lengths: called with the generation, the
@@ -242,6 +247,9 @@ struct Slot {
     total_opt_steps: i64,
     /// A copy that generation uses while the streamed consumers use `model`.
     replica: Option<Model>,
+    /// Whether `replica` missed an update of its share in a step without streaming (which
+    /// generates on the share's copy): refreshed before it generates again.
+    replica_stale: bool,
     /// Which copy `replica` mirrors (the generation's share), refreshed from it.
     replica_share: Share,
     /// This rank's stage of the pipeline it trains in (pipeline-parallel trainings).
@@ -283,6 +291,18 @@ impl Slot {
             ));
         }
         Ok(m)
+    }
+
+    /// Brings the generation replica up to its share's copy when a step without streaming left
+    /// it behind (`RunOptions::alternate_streaming`).
+    fn refresh_stale_replica(&mut self) -> Result<()> {
+        if self.replica_stale
+            && let Some(r) = self.replica.as_ref()
+        {
+            setup::copy_weights(r, self.copy(self.replica_share)?)?;
+        }
+        self.replica_stale = false;
+        Ok(())
     }
 
     /// The copy `c`, released or not.
@@ -368,9 +388,21 @@ pub struct Executor<'p> {
     /// When this rank started its current step, in seconds since the Unix epoch (the one clock
     /// every rank's timeline is set on).
     step_started: f64,
+    /// Whether the current step runs without streaming (`RunOptions::alternate_streaming`).
+    streams_off: bool,
 }
 
 impl Executor<'_> {
+    /// The consumers streamed under `generate` in the current step: the plan's, or none in a
+    /// step that runs without streaming.
+    fn streamed(&self, generate: NodeId) -> Vec<(NodeId, u64)> {
+        if self.streams_off {
+            Vec::new()
+        } else {
+            self.exec.streamed(generate)
+        }
+    }
+
     /// `generate(policy)`: how a call is named in timelines.
     fn call_name(&self, id: NodeId) -> String {
         match self.plan.graph.node(id) {
@@ -449,7 +481,7 @@ impl<'p> Executor<'p> {
         let streamed = |c: NodeId| {
             self.order.iter().any(|&n| {
                 matches!(g.node(n).map(|x| &x.op), Some(Op::Generate { .. }))
-                    && self.exec.streamed(n).iter().any(|(s, _)| *s == c)
+                    && self.streamed(n).iter().any(|(s, _)| *s == c)
             })
         };
         let mut first: Option<usize> = None;
@@ -611,6 +643,7 @@ impl<'p> Executor<'p> {
             .map_or(0.0, |d| d.as_secs_f64());
         self.timeline.clear();
         self.deferred_transfers.clear();
+        self.streams_off = self.options.alternate_streaming && step % 2 == 1;
         let mut vals: BTreeMap<NodeId, Val> = BTreeMap::new();
         let mut m: BTreeMap<String, f64> = BTreeMap::new();
         let mut time: BTreeMap<&'static str, f64> = BTreeMap::new();
@@ -679,7 +712,6 @@ impl<'p> Executor<'p> {
                         generated_until = Some(generated_until.map_or(end, |t| t.max(end)));
                     }
                     let consumers: Vec<String> = self
-                        .exec
                         .streamed(id)
                         .iter()
                         .map(|(c, _)| self.call_name(*c))
@@ -1000,6 +1032,10 @@ impl<'p> Executor<'p> {
             m.insert(format!("time/{k}"), v);
         }
         m.insert("time/step".into(), t_step.elapsed().as_secs_f64());
+        if self.options.alternate_streaming {
+            // Which half of an alternating run the step belongs to (`braid report` splits them).
+            m.insert("unstreamed".into(), f64::from(u8::from(self.streams_off)));
+        }
         // Generation and inference together: the rollout phase of the step.
         m.insert("time/rollout".into(), rollout_done);
         // What the rollout phase took after the generation: the inference and exchanges left

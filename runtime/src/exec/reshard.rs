@@ -28,7 +28,6 @@ impl<'p> Executor<'p> {
     /// Returns the reshards it ran (not to run again after the generation).
     pub(super) fn reshards_into_streamed(&mut self, generate: NodeId) -> Result<Vec<NodeId>> {
         let streamed: Vec<NodeId> = self
-            .exec
             .streamed(generate)
             .into_iter()
             .map(|(c, _)| c)
@@ -219,8 +218,14 @@ impl<'p> Executor<'p> {
             if b == slot.replica_share
                 && let Some(r) = slot.replica.as_ref()
             {
-                // The generation copy follows the copy of its share.
-                copy_weights(r, slot.copy(b)?)?;
+                if self.streams_off {
+                    // Not generated on in this step: refreshed before it generates again.
+                    slot.replica_stale = true;
+                } else {
+                    // The generation copy follows the copy of its share.
+                    copy_weights(r, slot.copy(b)?)?;
+                    slot.replica_stale = false;
+                }
             }
         }
         Ok(())

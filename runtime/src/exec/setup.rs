@@ -11,6 +11,9 @@ impl<'p> Executor<'p> {
         let world = options.dist.as_ref().map_or(1, |d| d.world.size);
         let rank = options.dist.as_ref().map_or(0, |d| d.world.rank);
         check_world(exec, options.device, world)?;
+        if options.alternate_streaming {
+            check_alternating(exec)?;
+        }
         let plan = &exec.plan;
         crate::device::set_cpu_threads(options.threads);
         let total_steps = options.steps.unwrap_or(plan.steps).min(plan.steps).max(0);
@@ -201,6 +204,7 @@ impl<'p> Executor<'p> {
                 opt,
                 total_opt_steps: opt_steps.get(&slot).copied().unwrap_or(0),
                 replica,
+                replica_stale: false,
                 replica_share,
                 pipeline: None,
             });
@@ -273,6 +277,7 @@ impl<'p> Executor<'p> {
             tail_round: 0,
             deferred_transfers: BTreeMap::new(),
             step_started: 0.0,
+            streams_off: false,
         };
         ex.connect_pipelines()?;
         ex.release_after = ex.last_uses()?;
@@ -582,6 +587,31 @@ fn token_readers(plan: &Plan, order: &[NodeId], slots: &[Slot]) -> Result<BTreeS
 
 /// Refuses a plan made for another world: one process per device, so the plan's cluster must
 /// have as many devices as the world has processes, of the kind this process has.
+/// Whether a plan's streaming can be switched off every other step (`RunOptions::
+/// alternate_streaming`): something streams, and nothing else of the sample-level split (a
+/// long-tail migration, consumers moved onto the devices it frees) rests on it.
+fn check_alternating(exec: &ExecPlan) -> Result<()> {
+    let what = "--alternate-streaming";
+    if exec.decisions.streams.keys().all(|c| {
+        exec.decisions
+            .streams
+            .get(c)
+            .is_none_or(|s| !exec.streamed(s.generate).iter().any(|(x, _)| x == c))
+    }) {
+        return Err(Error::invalid(
+            what,
+            "nothing streams in this plan: there is no gain of streaming to measure",
+        ));
+    }
+    if !exec.decisions.migrations.is_empty() || !exec.decisions.subtask_placements.is_empty() {
+        return Err(Error::invalid(
+            what,
+            "this plan also migrates a generation's long tail, which rests on streaming: compare a run with a run of `--no-fuse` instead",
+        ));
+    }
+    Ok(())
+}
+
 fn check_world(exec: &ExecPlan, device: Device, world: usize) -> Result<()> {
     let c = &exec.cluster;
     let want_cpu = c.device == braid_cost::cost::DeviceKind::Cpu;

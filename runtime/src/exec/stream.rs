@@ -87,7 +87,7 @@ impl<'p> Executor<'p> {
         let mut dests: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
         // For each other rank, the samples it generates that a consumer here needs.
         let mut sources: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
-        for (c, chunk) in self.exec.streamed(id) {
+        for (c, chunk) in self.streamed(id) {
             let Some(cp) = self.exec.placement(c) else {
                 continue;
             };
@@ -173,6 +173,10 @@ impl<'p> Executor<'p> {
             recv_groups.push((src, self.comm.take_stream(id, src, rank)?));
         }
         let streams_here = !consumers.is_empty();
+        if streams_here {
+            // A step without streaming may have left the replica behind its share's copy.
+            self.slots[model].refresh_stale_replica()?;
+        }
         // Split borrows: generation gets its share's copy, or the replica of it when a streamed
         // consumer here runs on that copy; the consumers get the other copies.
         let mut gen_model: Option<&mut Model> = None;
@@ -502,8 +506,7 @@ impl<'p> Executor<'p> {
             .collect();
         stats.tokens = mine_samples.iter().map(|(_, s)| s.token_ids.len()).sum();
         // The rollout and every streamed call's rows, in one exchange.
-        let streamed_calls: Vec<NodeId> =
-            self.exec.streamed(id).into_iter().map(|(c, _)| c).collect();
+        let streamed_calls: Vec<NodeId> = self.streamed(id).into_iter().map(|(c, _)| c).collect();
         let mut mine_rows = Vec::with_capacity(streamed_calls.len());
         for &c in &streamed_calls {
             let mut rows = partial.remove(&c).unwrap_or_else(|| vec![None; total]);
@@ -589,7 +592,6 @@ impl<'p> Executor<'p> {
         // The ranks that run inference streamed under this generation: a replica with one of
         // them does not ask for samples (it is not idle).
         let busy: Vec<usize> = self
-            .exec
             .streamed(id)
             .iter()
             .filter_map(|(c, _)| self.exec.placement(*c))

@@ -46,6 +46,7 @@ impl<'p> Executor<'p> {
             return Ok((stats, None));
         }
         let plan = self.plan;
+        let streams_off = self.streams_off;
         let objective = match plan.graph.node(term.node).map(|x| &x.op) {
             Some(Op::Loss { objective }) => objective,
             _ => {
@@ -84,6 +85,7 @@ impl<'p> Executor<'p> {
                 home,
                 opt,
                 replica: gen_copy,
+                replica_stale,
                 replica_share,
                 total_opt_steps,
                 ..
@@ -211,7 +213,13 @@ impl<'p> Executor<'p> {
             if let Some(rep) = gen_copy.as_mut()
                 && *replica_share == *home
             {
-                copy_weights(rep, m)?;
+                if streams_off {
+                    // Not generated on in this step: refreshed before it generates again.
+                    *replica_stale = true;
+                } else {
+                    copy_weights(rep, m)?;
+                    *replica_stale = false;
+                }
             }
             if !leads {
                 // The first tensor rank's log-probabilities are gathered (they are the same).
