@@ -196,6 +196,46 @@ fn time(min_seconds: f64, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
     }
 }
 
+/// Seconds that a call of `long` takes over one of `short`: the two called alternately, each
+/// pair's difference, for at least `2 × min_seconds` in all (and three pairs), after one
+/// untimed pair — the median of the differences. Each difference is of two calls a moment
+/// apart, at the machine's speed of that moment: a busy machine that changes speed between
+/// two timings of a second each (as shared ones do, by a third and more) moves a difference of
+/// their means by as much as the calls' whole length, a median of pairs far less.
+fn time_difference(
+    min_seconds: f64,
+    mut short: impl FnMut() -> Result<()>,
+    mut long: impl FnMut() -> Result<()>,
+) -> Result<f64> {
+    short()?;
+    long()?;
+    let start = Instant::now();
+    let mut diffs = Vec::new();
+    loop {
+        let t0 = Instant::now();
+        short()?;
+        let t1 = Instant::now();
+        long()?;
+        let t2 = Instant::now();
+        diffs.push((t2 - t1).as_secs_f64() - (t1 - t0).as_secs_f64());
+        if diffs.len() >= 3 && start.elapsed().as_secs_f64() >= 2.0 * min_seconds {
+            break;
+        }
+    }
+    Ok(median(diffs))
+}
+
+/// The median of `v` (0 when empty).
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    match n {
+        0 => 0.0,
+        _ if n % 2 == 1 => v[n / 2],
+        _ => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
+}
+
 /// Seconds per call of `f`, each call after one of `before` (untimed), over `reps` calls after
 /// one untimed pair.
 fn time_after(
@@ -462,13 +502,18 @@ fn measure_passes(options: &Options, hidden: u64, layers: u64, out: &mut PassTim
             Ok(())
         };
         // Decode steps after prompts of two lengths: attention over the cache grows with it.
-        // Back to back, so that what a generation pays once cancels in the difference.
+        // A short and a long generation in turn, so that what a generation pays once cancels
+        // in their difference, taken pair by pair (`time_difference`).
         let mut steps = Vec::new();
         for len in PROMPT_LENS {
             let p = prompts(len);
-            let short = time(options.min_seconds, || generate_once(&p, NEW_SHORT))?;
-            let long = time(options.min_seconds, || generate_once(&p, NEW_LONG))?;
-            let step = ((long - short) / (NEW_LONG - NEW_SHORT) as f64).max(0.0);
+            let generate_pair = std::cell::RefCell::new(&mut generate_once);
+            let more = time_difference(
+                options.min_seconds,
+                || (generate_pair.borrow_mut())(&p, NEW_SHORT),
+                || (generate_pair.borrow_mut())(&p, NEW_LONG),
+            )?;
+            let step = (more / (NEW_LONG - NEW_SHORT) as f64).max(0.0);
             steps.push(step);
             out.decode_step.push(PassPoint {
                 hidden,
@@ -1089,6 +1134,15 @@ pub fn fit_errors(
 mod tests {
     use super::*;
     use braid_cost::cost::DeviceKind;
+
+    #[test]
+    fn a_median_leaves_out_a_burst() {
+        // Pairs' differences with one taken while the machine slowed: the median keeps the
+        // steady ones' value, where a mean would move by a fifth.
+        assert_eq!(median(vec![2.0, 2.1, 1.9, 2.0, 4.0]), 2.0);
+        assert_eq!(median(vec![3.0, 1.0, 2.0, 4.0]), 2.5);
+        assert_eq!(median(Vec::new()), 0.0);
+    }
 
     #[test]
     fn a_collective_line_is_recovered() {
