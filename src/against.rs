@@ -108,9 +108,21 @@ fn one_run(
         Half::All => rows,
         Half::Streamed | Half::Unstreamed => {
             let off = half == Half::Unstreamed;
-            rows.into_iter()
+            let half: Vec<_> = rows
+                .into_iter()
                 .filter(|r| (r.get("unstreamed").copied().unwrap_or(0.0) > 0.5) == off)
-                .collect()
+                .collect();
+            if half.is_empty() {
+                return Err((
+                    format!(
+                        "{}: no step {} streaming recorded (a run of --alternate-streaming runs its 2nd, 4th, … step without)",
+                        dir.join("metrics.jsonl").display(),
+                        if off { "without" } else { "with" }
+                    ),
+                    1,
+                ));
+            }
+            half
         }
     };
     let plan_path = dir.join("plan.json");

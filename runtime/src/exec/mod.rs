@@ -110,7 +110,7 @@ pub struct RunOptions {
     /// Every other step (the 2nd, 4th, …) runs without streaming: inference waits for the
     /// whole batch, as in the plan with its streams taken out, on the same placement (`braid
     /// run --alternate-streaming`). Streaming's gain is then measured side by side in one run,
-    /// where the machine's drift weighs on both alike; each step records `stream/off`.
+    /// where the machine's drift weighs on both alike; each step records `unstreamed` (1 or 0).
     pub alternate_streaming: bool,
 }
 
