@@ -108,9 +108,10 @@ fn one_run(
         Half::All => rows,
         Half::Streamed | Half::Unstreamed => {
             let off = half == Half::Unstreamed;
+            // A step without the mark (a run resumed without the flag) belongs to neither.
             let half: Vec<_> = rows
                 .into_iter()
-                .filter(|r| (r.get("unstreamed").copied().unwrap_or(0.0) > 0.5) == off)
+                .filter(|r| r.get("unstreamed").is_some_and(|v| (*v > 0.5) == off))
                 .collect();
             if half.is_empty() {
                 return Err((
