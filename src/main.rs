@@ -65,6 +65,17 @@ enum Command {
 }
 
 fn main() -> ExitCode {
+    #[cfg(feature = "runtime")]
+    match braid_runtime::device::steady_host_allocator() {
+        Ok(braid_runtime::device::HostAllocator::Refused(setting)) => eprintln!(
+            "warning: glibc refused {setting}; tensors on the host are allocated with glibc's moving thresholds, and step times may vary with the steps before them"
+        ),
+        Ok(_) => {}
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+    }
     let cli = Cli::parse();
     match cli.command {
         #[cfg(feature = "runtime")]

@@ -33,6 +33,109 @@ pub fn yield_to_compute() {
     }
 }
 
+/// The size from which [`steady_host_allocator`] has glibc serve an allocation with a mapping
+/// of its own: 32 MiB, the ceiling of glibc's own moving threshold.
+pub const MMAP_THRESHOLD: usize = 32 << 20;
+
+/// The free memory at the top of the heap that [`steady_host_allocator`] lets glibc keep rather
+/// than give back to the system: 64 MiB, twice [`MMAP_THRESHOLD`], as glibc's own rule keeps it.
+pub const TRIM_THRESHOLD: usize = 64 << 20;
+
+/// glibc's variables for the two thresholds; where the user sets either (or sets one of them
+/// through `GLIBC_TUNABLES`), [`steady_host_allocator`] leaves the allocator as configured.
+const USER_SETTINGS: [(&str, &str); 2] = [
+    ("MALLOC_MMAP_THRESHOLD_", "glibc.malloc.mmap_threshold"),
+    ("MALLOC_TRIM_THRESHOLD_", "glibc.malloc.trim_threshold"),
+];
+
+/// The variable that chooses between the fixed thresholds (`fixed`, the default) and glibc's
+/// moving ones (`glibc`).
+pub const THRESHOLDS_VAR: &str = "BRAID_MALLOC_THRESHOLDS";
+
+/// What [`steady_host_allocator`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HostAllocator {
+    /// Both thresholds are fixed: [`MMAP_THRESHOLD`] and [`TRIM_THRESHOLD`].
+    Fixed,
+    /// `BRAID_MALLOC_THRESHOLDS=glibc`: glibc's moving thresholds are kept.
+    Glibc,
+    /// The user set this variable; the allocator is left as they configured it.
+    UserSet(&'static str),
+    /// glibc refused the setting named (`mallopt` returned 0); the allocator keeps its default.
+    Refused(&'static str),
+    /// Not glibc on Linux: nothing to set.
+    NotGlibc,
+}
+
+/// Fixes glibc's two malloc thresholds for the rest of the process, unless the user set either
+/// or chose glibc's own (`BRAID_MALLOC_THRESHOLDS=glibc`).
+///
+/// By default glibc serves an allocation of 128 KiB or more with a fresh mapping — zeroed pages,
+/// faulted in on first touch, unmapped when freed — and raises that threshold to the size of
+/// each mapped block freed (up to 32 MiB), the trim threshold with it. A tensor's allocation then
+/// costs what the process happened to free before it: a step runs at a speed that depends on the
+/// steps before it, and a calibration measures a speed the run it prices may not have. Fixing
+/// the thresholds where glibc's rule ends (32 MiB, 64 MiB) serves every tensor under 32 MiB from
+/// reused heap memory from the first step on. Measured in docs/benchmarks.md ("The host
+/// allocator"). Call it first thing, before any thread starts.
+///
+/// # Errors
+/// `BRAID_MALLOC_THRESHOLDS` set to anything but `fixed` or `glibc`.
+pub fn steady_host_allocator() -> Result<HostAllocator, String> {
+    let var = |name: &str| std::env::var_os(name).map(|v| v.to_string_lossy().into_owned());
+    match var(THRESHOLDS_VAR).as_deref() {
+        None | Some("fixed") => {}
+        Some("glibc") => return Ok(HostAllocator::Glibc),
+        Some(other) => {
+            return Err(format!(
+                "{THRESHOLDS_VAR}={other:?} is not a choice: `fixed` (the default) or `glibc`"
+            ));
+        }
+    }
+    if let Some(var) = user_setting(var) {
+        return Ok(HostAllocator::UserSet(var));
+    }
+    Ok(set_thresholds())
+}
+
+/// The variable through which the user set either threshold, if any; `var` reads the
+/// environment.
+fn user_setting(var: impl Fn(&str) -> Option<String>) -> Option<&'static str> {
+    for (name, tunable) in USER_SETTINGS {
+        if var(name).is_some() {
+            return Some(name);
+        }
+        if var("GLIBC_TUNABLES")
+            .is_some_and(|t| t.split(':').any(|kv| kv.split('=').next() == Some(tunable)))
+        {
+            return Some("GLIBC_TUNABLES");
+        }
+    }
+    None
+}
+
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+#[allow(unsafe_code)]
+fn set_thresholds() -> HostAllocator {
+    for (param, value, name) in [
+        (libc::M_MMAP_THRESHOLD, MMAP_THRESHOLD, "M_MMAP_THRESHOLD"),
+        (libc::M_TRIM_THRESHOLD, TRIM_THRESHOLD, "M_TRIM_THRESHOLD"),
+    ] {
+        let value = libc::c_int::try_from(value).unwrap_or(libc::c_int::MAX);
+        // SAFETY: `mallopt` takes two integers and changes only the allocator's parameters,
+        // under the allocator's own lock; it returns 0 where it refuses a value.
+        if unsafe { libc::mallopt(param, value) } == 0 {
+            return HostAllocator::Refused(name);
+        }
+    }
+    HostAllocator::Fixed
+}
+
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+fn set_thresholds() -> HostAllocator {
+    HostAllocator::NotGlibc
+}
+
 /// Sets the number of CPU threads libtorch uses for intra-op parallelism.
 pub fn set_cpu_threads(threads: usize) {
     let threads = i32::try_from(threads.max(1)).unwrap_or(i32::MAX);
@@ -90,6 +193,39 @@ pub fn from_host(t: &Tensor, device: Device) -> Tensor {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_threshold_the_user_set_is_left_to_them() {
+        let env = |pairs: &'static [(&'static str, &'static str)]| {
+            move |name: &str| {
+                pairs
+                    .iter()
+                    .find(|(k, _)| *k == name)
+                    .map(|(_, v)| v.to_string())
+            }
+        };
+        assert_eq!(super::user_setting(env(&[])), None);
+        assert_eq!(super::user_setting(env(&[("MALLOC_ARENA_MAX", "1")])), None);
+        assert_eq!(
+            super::user_setting(env(&[("MALLOC_TRIM_THRESHOLD_", "0")])),
+            Some("MALLOC_TRIM_THRESHOLD_")
+        );
+        assert_eq!(
+            super::user_setting(env(&[("MALLOC_MMAP_THRESHOLD_", "65536")])),
+            Some("MALLOC_MMAP_THRESHOLD_")
+        );
+        assert_eq!(
+            super::user_setting(env(&[(
+                "GLIBC_TUNABLES",
+                "glibc.malloc.arena_max=2:glibc.malloc.mmap_threshold=4096"
+            )])),
+            Some("GLIBC_TUNABLES")
+        );
+        assert_eq!(
+            super::user_setting(env(&[("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")])),
+            None
+        );
+    }
+
     use super::*;
     use tch::{Kind, Tensor};
 
