@@ -30,7 +30,7 @@ use tch::{Device, Kind, Tensor};
 
 use crate::dist::{ProcessGroup, ReduceOp};
 use crate::exec::train::train_forward;
-use crate::generation::engine::{EngineOptions, generate};
+use crate::generation::engine::{EngineOptions, Sample, generate_stream};
 use crate::generation::sampling::SamplingParams;
 use crate::models::model::{Head, Model};
 use crate::models::tiny::{TinyConfig, tiny_in};
@@ -56,8 +56,8 @@ fn kv_heads(hidden: u64) -> u64 {
     if hidden >= 128 { HEADS } else { 2 }
 }
 
-/// Decode measurements: running rows, prompt length, and the two completion lengths whose
-/// difference is the steps' time.
+/// Decode measurements: running rows, prompt length, and the steps whose times are kept: those
+/// of a generation of [`NEW_LONG`] tokens after its first [`NEW_SHORT`].
 pub const DECODE_ROWS: [u64; 3] = [4, 16, 32];
 pub const PROMPT_LEN: usize = 8;
 /// Prompt lengths the prefill and the decode steps are timed after (one sample per prompt,
@@ -69,6 +69,9 @@ pub const PROMPT_LEN: usize = 8;
 pub const PROMPT_LENS: [usize; 2] = [PROMPT_LEN, 64];
 const NEW_SHORT: usize = 8;
 const NEW_LONG: usize = 40;
+/// Generations of [`NEW_LONG`] tokens each decode point is timed over, at least (and for at
+/// least twice `--min-seconds`).
+const DECODE_GENERATIONS: usize = 3;
 /// Inference and training measurements: sequences per pass (down to one, as the examples'
 /// inference micro-batches run, and up to 64, as the quickstart's training micro-batch on one
 /// rank does: past the largest timed, a pass is priced by extrapolation, and with 16 sequences
@@ -137,8 +140,9 @@ pub struct PassPoint {
 /// The timings of each pass kind on the tiny models, over [`LAYERS`] and two row counts.
 #[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct PassTimes {
-    /// Seconds per decode step (from the difference of two completion lengths) after prompts
-    /// of `len` tokens (0: [`PROMPT_LEN`]).
+    /// Seconds per decode step (the mean of generations' steps past their first
+    /// [`NEW_SHORT`], each timed by the engine) after prompts of `len` tokens (0:
+    /// [`PROMPT_LEN`]).
     pub decode_step: Vec<PassPoint>,
     /// Seconds of the prefill: a generation of one token from `rows` prompts of `len` tokens
     /// (`len` 0: [`PROMPT_LEN`]).
@@ -196,44 +200,17 @@ fn time(min_seconds: f64, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
     }
 }
 
-/// Seconds that a call of `long` takes over one of `short`: the two called alternately, each
-/// pair's difference, for at least `2 × min_seconds` in all (and three pairs), after one
-/// untimed pair — the median of the differences. Each difference is of two calls a moment
-/// apart, at the machine's speed of that moment: a busy machine that changes speed between
-/// two timings of a second each (as shared ones do, by a third and more) moves a difference of
-/// their means by as much as the calls' whole length, a median of pairs far less.
-fn time_difference(
-    min_seconds: f64,
-    mut short: impl FnMut() -> Result<()>,
-    mut long: impl FnMut() -> Result<()>,
-) -> Result<f64> {
-    short()?;
-    long()?;
-    let start = Instant::now();
-    let mut diffs = Vec::new();
-    loop {
-        let t0 = Instant::now();
-        short()?;
-        let t1 = Instant::now();
-        long()?;
-        let t2 = Instant::now();
-        diffs.push((t2 - t1).as_secs_f64() - (t1 - t0).as_secs_f64());
-        if diffs.len() >= 3 && start.elapsed().as_secs_f64() >= 2.0 * min_seconds {
-            break;
-        }
-    }
-    Ok(median(diffs))
-}
-
-/// The median of `v` (0 when empty).
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    match n {
-        0 => 0.0,
-        _ if n % 2 == 1 => v[n / 2],
-        _ => (v[n / 2 - 1] + v[n / 2]) / 2.0,
-    }
+/// Seconds of a decode step: the mean wall time of the steps from the `from`-th on of each
+/// generation's step log (`Generation::step_log`). Each step is timed where it runs, so a
+/// generation's prefill and its thread's start, which last as long as many steps, weigh
+/// nothing; and the mean over every step, slow ones with the fast, is what a run's
+/// generation pays on average (its times are means over steps).
+fn mean_step(logs: &[Vec<f64>], from: usize) -> Option<f64> {
+    let steps: Vec<f64> = logs
+        .iter()
+        .flat_map(|log| log.iter().skip(from).copied())
+        .collect();
+    (!steps.is_empty()).then(|| steps.iter().sum::<f64>() / steps.len() as f64)
 }
 
 /// Seconds per call of `f`, each call after one of `before` (untimed), over `reps` calls after
@@ -475,8 +452,9 @@ fn measure_passes(options: &Options, hidden: u64, layers: u64, out: &mut PassTim
         };
         let threads = tch::get_num_threads().max(1) as usize;
         // One generation of `new` tokens per prompt, as a run generates (`exec/stream.rs`): on
-        // a thread started for it, which pays for its start and its cold state.
-        let mut generate_once = |prompts: &[Vec<i64>], new: usize| -> Result<()> {
+        // a thread started for it, which pays for its start and its cold state. Returns the
+        // wall time of each of its decode steps.
+        let mut generate_once = |prompts: &[Vec<i64>], new: usize| -> Result<Vec<f64>> {
             let params = SamplingParams {
                 max_new_tokens: new,
                 // Sampled at temperature 1, as training rollouts are.
@@ -485,10 +463,13 @@ fn measure_passes(options: &Options, hidden: u64, layers: u64, out: &mut PassTim
                 ..SamplingParams::default()
             };
             let (m, tok, prompts) = (&mut model, &tokenizer, prompts.to_vec());
-            let samples = std::thread::scope(|s| {
-                s.spawn(move || {
+            let (samples, steps) = std::thread::scope(|s| {
+                s.spawn(move || -> Result<(Vec<Sample>, Vec<f64>)> {
                     crate::device::set_cpu_threads(threads);
-                    generate(m, tok, prompts, params, EngineOptions::default())
+                    let mut g = generate_stream(m, tok, prompts, params, EngineOptions::default())?;
+                    let samples = g.by_ref().collect::<Result<Vec<_>>>()?;
+                    let steps = g.step_log().iter().map(|r| r.secs).collect();
+                    Ok((samples, steps))
                 })
                 .join()
             })
@@ -499,21 +480,30 @@ fn measure_passes(options: &Options, hidden: u64, layers: u64, out: &mut PassTim
                     "a calibration sample stopped before its length",
                 ));
             }
-            Ok(())
+            Ok(steps)
         };
         // Decode steps after prompts of two lengths: attention over the cache grows with it.
-        // A short and a long generation in turn, so that what a generation pays once cancels
-        // in their difference, taken pair by pair (`time_difference`).
+        // Generations of `NEW_LONG` tokens, one untimed, then at least `DECODE_GENERATIONS`
+        // for at least twice `min_seconds`; each step's own wall time, from the engine's step
+        // log, past the first `NEW_SHORT` of each (so that the steps' mean context is
+        // `decode_context`'s).
         let mut steps = Vec::new();
         for len in PROMPT_LENS {
             let p = prompts(len);
-            let generate_pair = std::cell::RefCell::new(&mut generate_once);
-            let more = time_difference(
-                options.min_seconds,
-                || (generate_pair.borrow_mut())(&p, NEW_SHORT),
-                || (generate_pair.borrow_mut())(&p, NEW_LONG),
-            )?;
-            let step = (more / (NEW_LONG - NEW_SHORT) as f64).max(0.0);
+            generate_once(&p, NEW_LONG)?;
+            let start = Instant::now();
+            let mut logs = Vec::new();
+            while logs.len() < DECODE_GENERATIONS
+                || start.elapsed().as_secs_f64() < 2.0 * options.min_seconds
+            {
+                logs.push(generate_once(&p, NEW_LONG)?);
+            }
+            let step = mean_step(&logs, NEW_SHORT).ok_or_else(|| {
+                Error::invalid(
+                    "calibrate",
+                    "a calibration generation logged no decode step",
+                )
+            })?;
             steps.push(step);
             out.decode_step.push(PassPoint {
                 hidden,
@@ -534,7 +524,7 @@ fn measure_passes(options: &Options, hidden: u64, layers: u64, out: &mut PassTim
         // generation leaves out the admission.)
         for (len, step) in PROMPT_LENS.into_iter().zip(steps) {
             let p = prompts(len);
-            let secs = time_after(COLD_REPS, &mut between, || generate_once(&p, 2))?;
+            let secs = time_after(COLD_REPS, &mut between, || generate_once(&p, 2).map(drop))?;
             out.prefill.push(PassPoint {
                 hidden,
                 layers,
@@ -1136,12 +1126,14 @@ mod tests {
     use braid_cost::cost::DeviceKind;
 
     #[test]
-    fn a_median_leaves_out_a_burst() {
-        // Pairs' differences with one taken while the machine slowed: the median keeps the
-        // steady ones' value, where a mean would move by a fifth.
-        assert_eq!(median(vec![2.0, 2.1, 1.9, 2.0, 4.0]), 2.0);
-        assert_eq!(median(vec![3.0, 1.0, 2.0, 4.0]), 2.5);
-        assert_eq!(median(Vec::new()), 0.0);
+    fn a_decode_step_is_the_mean_of_the_steps_past_the_first() {
+        // Two generations' step logs: their first steps (a cold start) are left out, every
+        // later step counts, a slow one with the fast.
+        let logs = vec![vec![9.0, 1.0, 1.0, 3.0], vec![7.0, 2.0, 1.0, 1.0]];
+        assert_eq!(mean_step(&logs, 1), Some(9.0 / 6.0));
+        assert_eq!(mean_step(&logs, 0), Some(25.0 / 8.0));
+        assert_eq!(mean_step(&logs, 4), None);
+        assert_eq!(mean_step(&[], 0), None);
     }
 
     #[test]
