@@ -193,6 +193,9 @@ pub fn from_host(t: &Tensor, device: Device) -> Tensor {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+    use tch::{Kind, Tensor};
+
     #[test]
     fn a_threshold_the_user_set_is_left_to_them() {
         let env = |pairs: &'static [(&'static str, &'static str)]| {
@@ -203,31 +206,28 @@ mod tests {
                     .map(|(_, v)| v.to_string())
             }
         };
-        assert_eq!(super::user_setting(env(&[])), None);
-        assert_eq!(super::user_setting(env(&[("MALLOC_ARENA_MAX", "1")])), None);
+        assert_eq!(user_setting(env(&[])), None);
+        assert_eq!(user_setting(env(&[("MALLOC_ARENA_MAX", "1")])), None);
         assert_eq!(
-            super::user_setting(env(&[("MALLOC_TRIM_THRESHOLD_", "0")])),
+            user_setting(env(&[("MALLOC_TRIM_THRESHOLD_", "0")])),
             Some("MALLOC_TRIM_THRESHOLD_")
         );
         assert_eq!(
-            super::user_setting(env(&[("MALLOC_MMAP_THRESHOLD_", "65536")])),
+            user_setting(env(&[("MALLOC_MMAP_THRESHOLD_", "65536")])),
             Some("MALLOC_MMAP_THRESHOLD_")
         );
         assert_eq!(
-            super::user_setting(env(&[(
+            user_setting(env(&[(
                 "GLIBC_TUNABLES",
                 "glibc.malloc.arena_max=2:glibc.malloc.mmap_threshold=4096"
             )])),
             Some("GLIBC_TUNABLES")
         );
         assert_eq!(
-            super::user_setting(env(&[("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")])),
+            user_setting(env(&[("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")])),
             None
         );
     }
-
-    use super::*;
-    use tch::{Kind, Tensor};
 
     /// Proves that libtorch is installed and linked: a matmul and autograd on the CPU.
     #[test]
