@@ -497,6 +497,15 @@ impl<'p> Executor<'p> {
                     if streamed(*before) || self.calls_model(&self.order[at + 1..b], *model) {
                         return None;
                     }
+                    // Not past a training on the devices the transfer leaves from: those
+                    // ranks would reach it only after training, and the ranks waiting for
+                    // them would wait that long (the critic's reshard after `values(critic)`
+                    // held past `train(policy)` on the same rank serialized the two trainings
+                    // the plan runs side by side on two ranks; docs/benchmarks.md, stop 44).
+                    // Shorter calls it may pass, as the other ranks' own calls meanwhile.
+                    let b = (at + 1..b)
+                        .find(|&k| self.trains_on_devices_of(self.order[k], id))
+                        .unwrap_or(b);
                     first = Some(first.map_or(b, |f| f.min(b)));
                 }
                 Some(Op::Offload { after, .. }) if *after == id => return None,
@@ -504,6 +513,18 @@ impl<'p> Executor<'p> {
             }
         }
         first.map(|b| self.order[b])
+    }
+
+    /// Whether `call` is a training placed on any device of call `of`'s placement.
+    fn trains_on_devices_of(&self, call: NodeId, of: NodeId) -> bool {
+        let trains = matches!(
+            self.plan.graph.node(call).map(|x| &x.op),
+            Some(Op::Train { .. })
+        );
+        match (self.exec.placement(call), self.exec.placement(of)) {
+            (Some(c), Some(o)) if trains => c.devices().any(|d| o.devices().contains(&d)),
+            _ => false,
+        }
     }
 
     /// Whether any of `nodes` is a call of `model`.
