@@ -1565,3 +1565,54 @@ fn ranks_are_bound_to_cores_of_their_own_or_refused() {
     drop(job);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A step without streaming, with the critic's inference on rank 0, its training on rank 1
+/// and the policy's training on rank 0: the critic's weights move to rank 1 before rank 0
+/// trains the policy, so that the two trainings run side by side. Held until just before
+/// `train(critic)`, which comes after `train(policy)` in the order, the transfer waited on
+/// rank 0's training and the trainings ran one after the other (docs/benchmarks.md, stop 44).
+#[test]
+fn a_transfer_is_not_held_past_a_training_on_the_rank_it_leaves_from() {
+    let dir = tmp("apart");
+    let src = std::fs::read_to_string("examples/ppo_tiny.rlhf").unwrap();
+    let program = format!(
+        "{}\ncluster {{ cpus: 2 }}\n\nschedule {{\n  place generate(policy) on 0..2\n  place logprobs(policy) on 0..2\n  place logprobs(ref) on 0..2\n  place values(critic) on 0..1\n  place score(reward_model) on 0..2\n  place train(policy) on 0..1\n  place train(critic) on 1..2\n}}\n",
+        src.replace("steps: 80", "steps: 2")
+    );
+    let file = Path::new("examples").join(format!(".apart-{}.rlhf", std::process::id()));
+    std::fs::write(&file, program).unwrap();
+    let run_dir = dir.join("run");
+    let (ok, stderr) = launch_run(
+        2,
+        &[
+            file.to_str().unwrap(),
+            "--run-dir",
+            run_dir.to_str().unwrap(),
+            "--checkpoint-every",
+            "0",
+            "--gen-lengths",
+            "fixed:16",
+            "--no-fuse",
+        ],
+        Duration::from_secs(600),
+    );
+    let _ = std::fs::remove_file(&file);
+    assert!(ok, "{stderr}");
+    let timeline: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(run_dir.join("timeline.json")).unwrap())
+            .unwrap();
+    let start = |rank: usize, name: &str, cat: &str| {
+        timeline["traceEvents"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|e| e["tid"] == rank && e["name"] == name && e["cat"] == cat)
+            .map(|e| e["ts"].as_f64().unwrap())
+            .unwrap_or_else(|| panic!("no {name} {cat} span on rank {rank}: {timeline}"))
+    };
+    // On rank 0: the critic's weights leave (the transfers after `values(critic)`) before it
+    // trains the policy.
+    let moved = start(0, "values(critic)", "transfer");
+    let trains = start(0, "train(policy)", "train");
+    assert!(moved < trains, "{timeline}");
+}
