@@ -465,7 +465,8 @@ impl<'p> Executor<'p> {
     /// Where the transfers after call `id` may wait until just before a later call of this
     /// iteration: they are all reshards into calls later in the order (none streamed under a
     /// generation, whose reshards run before it starts), no call of a model they move runs in
-    /// between, and the earliest of those later calls is returned. Then the ranks that only
+    /// between, and the earliest of those later calls is returned — or, where sooner, the
+    /// first training on `id`'s devices before them. Then the ranks that only
     /// receive go on with their own calls first instead of waiting at once for the call `id`
     /// to end elsewhere (`logprobs(ref)` on one rank beside `logprobs(policy)` on another,
     /// the policy's weights moving to its training afterwards), as the plan's schedule and the
