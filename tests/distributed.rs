@@ -167,6 +167,21 @@ fn num(m: &serde_json::Map<String, serde_json::Value>, k: &str) -> f64 {
 /// normalisation, summed in another order (per replica, then over the ranks).
 const TOL: f64 = 1e-5;
 
+/// `examples/ppo_tiny.rlhf` for `steps` steps on a 2-CPU cluster with the `place` pins
+/// `places` (one per line), written beside the example (so that its reward model's directory
+/// resolves) under a name of this process's own; the caller removes it.
+fn pinned_ppo_tiny(tag: &str, steps: u32, places: &[&str]) -> std::path::PathBuf {
+    let src = std::fs::read_to_string("examples/ppo_tiny.rlhf").unwrap();
+    let pins: String = places.iter().map(|p| format!("  place {p}\n")).collect();
+    let program = format!(
+        "{}\ncluster {{ cpus: 2 }}\n\nschedule {{\n{pins}}}\n",
+        src.replace("steps: 80", &format!("steps: {steps}"))
+    );
+    let file = Path::new("examples").join(format!(".{tag}-{}.rlhf", std::process::id()));
+    std::fs::write(&file, program).unwrap();
+    file
+}
+
 fn close(a: f64, b: f64) -> bool {
     (a - b).abs() <= TOL * (1.0 + a.abs().max(b.abs()))
 }
@@ -575,14 +590,19 @@ fn a_call_streamed_under_generation_in_another_layout_gets_the_trained_weights()
 #[test]
 fn a_consumer_on_another_rank_streams_and_ppo_learns() {
     let dir = tmp("ppo2");
-    let src = std::fs::read_to_string("examples/ppo_tiny.rlhf").unwrap();
-    let program = format!(
-        "{}\ncluster {{ cpus: 2 }}\n\nschedule {{\n  place generate(policy) on 0..1\n  place logprobs(policy) on 0..1\n  place logprobs(ref) on 0..1\n  place train(policy) on 0..1\n  place values(critic) on 1..2\n  place score(reward_model) on 1..2\n  place train(critic) on 1..2\n}}\n",
-        src.replace("steps: 80", "steps: 40")
+    let file = pinned_ppo_tiny(
+        "ppo2",
+        40,
+        &[
+            "generate(policy) on 0..1",
+            "logprobs(policy) on 0..1",
+            "logprobs(ref) on 0..1",
+            "train(policy) on 0..1",
+            "values(critic) on 1..2",
+            "score(reward_model) on 1..2",
+            "train(critic) on 1..2",
+        ],
     );
-    // Beside the example, so that its reward model's directory resolves.
-    let file = Path::new("examples").join(format!(".ppo2-{}.rlhf", std::process::id()));
-    std::fs::write(&file, program).unwrap();
     let run_dir = dir.join("run");
     let (ok, stderr) = launch_run(
         2,
@@ -1387,13 +1407,19 @@ fn calibrate_on_two_ranks_measures_the_all_reduce_and_the_ranks_spread() {
 #[test]
 fn a_rank_that_only_generates_and_scores_streams_and_trains_beside_the_other() {
     let dir = tmp("side");
-    let src = std::fs::read_to_string("examples/ppo_tiny.rlhf").unwrap();
-    let program = format!(
-        "{}\ncluster {{ cpus: 2 }}\n\nschedule {{\n  place generate(policy) on 0..2\n  place logprobs(policy) on 1..2\n  place logprobs(ref) on 0..1\n  place train(policy) on 0..1\n  place values(critic) on 0..2\n  place score(reward_model) on 0..2\n  place train(critic) on 1..2\n}}\n",
-        src.replace("steps: 80", "steps: 4")
+    let file = pinned_ppo_tiny(
+        "side",
+        4,
+        &[
+            "generate(policy) on 0..2",
+            "logprobs(policy) on 1..2",
+            "logprobs(ref) on 0..1",
+            "train(policy) on 0..1",
+            "values(critic) on 0..2",
+            "score(reward_model) on 0..2",
+            "train(critic) on 1..2",
+        ],
     );
-    let file = Path::new("examples").join(format!(".side-{}.rlhf", std::process::id()));
-    std::fs::write(&file, program).unwrap();
     let mut runs = Vec::new();
     for (name, extra) in [("fused", None), ("unfused", Some("--no-fuse"))] {
         let run_dir = dir.join(name);
@@ -1574,13 +1600,19 @@ fn ranks_are_bound_to_cores_of_their_own_or_refused() {
 #[test]
 fn a_transfer_is_not_held_past_a_training_on_the_rank_it_leaves_from() {
     let dir = tmp("apart");
-    let src = std::fs::read_to_string("examples/ppo_tiny.rlhf").unwrap();
-    let program = format!(
-        "{}\ncluster {{ cpus: 2 }}\n\nschedule {{\n  place generate(policy) on 0..2\n  place logprobs(policy) on 0..2\n  place logprobs(ref) on 0..2\n  place values(critic) on 0..1\n  place score(reward_model) on 0..2\n  place train(policy) on 0..1\n  place train(critic) on 1..2\n}}\n",
-        src.replace("steps: 80", "steps: 2")
+    let file = pinned_ppo_tiny(
+        "apart",
+        2,
+        &[
+            "generate(policy) on 0..2",
+            "logprobs(policy) on 0..2",
+            "logprobs(ref) on 0..2",
+            "values(critic) on 0..1",
+            "score(reward_model) on 0..2",
+            "train(policy) on 0..1",
+            "train(critic) on 1..2",
+        ],
     );
-    let file = Path::new("examples").join(format!(".apart-{}.rlhf", std::process::id()));
-    std::fs::write(&file, program).unwrap();
     let run_dir = dir.join("run");
     let (ok, stderr) = launch_run(
         2,
