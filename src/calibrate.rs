@@ -20,6 +20,10 @@ pub struct Args {
     /// Seconds each timing repeats for at least (longer is steadier on a busy machine).
     #[arg(long, value_name = "SECONDS", default_value_t = 0.2)]
     min_seconds: f64,
+    /// Rounds of the timings on each rank: every product, memory and pass timing is taken
+    /// this many times, a whole round apart, for `--min-seconds` in all, and their mean kept.
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    rounds: usize,
     /// libtorch threads per process, as `braid run --threads` (default 1).
     #[arg(long, default_value_t = 1)]
     threads: usize,
@@ -52,6 +56,9 @@ fn calibrate_here(args: &Args) -> Result<Option<String>, (String, u8)> {
             ),
             2,
         ));
+    }
+    if args.rounds == 0 {
+        return Err(("--rounds 0: at least one round of timings".into(), 2));
     }
     let world = World::from_env().map_err(|e| (e.to_string(), 2))?;
     let (device, cluster) = crate::run::this_world(&world);
@@ -93,6 +100,7 @@ fn calibrate_here(args: &Args) -> Result<Option<String>, (String, u8)> {
     let start = Instant::now();
     let options = calibrate::Options {
         min_seconds: args.min_seconds,
+        rounds: args.rounds,
         device,
         kind,
     };
@@ -276,6 +284,7 @@ fn measured_json(m: &Measurements, world: &World, args: &Args, secs: f64) -> ser
         "ranks": world.size,
         "threads_per_rank": args.threads.max(1),
         "min_seconds": args.min_seconds,
+        "rounds": args.rounds,
         "seconds": secs,
         "tiny_model_layers": calibrate::LAYERS,
         "tiny_model_widths": calibrate::HIDDENS,

@@ -415,3 +415,19 @@ fn report_against_sim_sets_measured_beside_predicted() {
     assert!(!out.status.success());
     assert!(stderr(&out).contains("nothing"), "{}", stderr(&out));
 }
+
+#[test]
+fn calibrate_refuses_options_it_cannot_honour() {
+    let dir = Tmp::new("calibrate", "options");
+    let path = dir.join("cpu.json");
+    for (flag, value, says) in [
+        ("--min-seconds", "0", "--min-seconds 0: must be a positive number"),
+        ("--min-seconds", "nan", "must be a positive number"),
+        ("--rounds", "0", "--rounds 0: at least one round"),
+    ] {
+        let out = braid(&["calibrate", flag, value, "-o", s(&path)]);
+        assert_eq!(out.status.code(), Some(2), "{flag} {value}: {}", stderr(&out));
+        assert!(stderr(&out).contains(says), "{flag} {value}: {}", stderr(&out));
+        assert!(!path.exists(), "{flag} {value}: a profile was written");
+    }
+}

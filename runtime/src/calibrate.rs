@@ -116,8 +116,14 @@ pub const EXCHANGE_SKEWS: [f64; 3] = [0.5e-3, 2e-3, 8e-3];
 /// How long and on what to measure.
 #[derive(Clone, Debug)]
 pub struct Options {
-    /// Each timing repeats until at least this long has passed (and at least twice).
+    /// Each timing repeats until at least this long has passed in all (and at least twice in
+    /// each of its rounds).
     pub min_seconds: f64,
+    /// How many times every timing on the rank itself (products, memory, the tiny models'
+    /// passes) is taken, a whole round of them apart, each for `min_seconds / rounds`; the
+    /// profile keeps their mean. A machine whose speed moves over seconds then weighs on a
+    /// timing as on a run's steps, instead of as a sample of one moment.
+    pub rounds: usize,
     pub device: Device,
     /// The dtype the device plans with (f32 on a CPU, bf16 on a GPU).
     pub kind: Kind,
@@ -153,6 +159,29 @@ pub struct PassTimes {
     pub train_microbatch: Vec<PassPoint>,
     /// Seconds of one optimizer step.
     pub optimizer: Vec<PassPoint>,
+}
+
+impl PassTimes {
+    /// Every kind's timings, in one fixed order.
+    fn all(&self) -> [&Vec<PassPoint>; 5] {
+        [
+            &self.decode_step,
+            &self.prefill,
+            &self.forward,
+            &self.train_microbatch,
+            &self.optimizer,
+        ]
+    }
+
+    fn all_mut(&mut self) -> [&mut Vec<PassPoint>; 5] {
+        [
+            &mut self.decode_step,
+            &mut self.prefill,
+            &mut self.forward,
+            &mut self.train_microbatch,
+            &mut self.optimizer,
+        ]
+    }
 }
 
 /// Everything measured, before fitting.
@@ -266,6 +295,50 @@ pub fn tiny_shape(hidden: u64, layers: u64) -> Result<ModelShape> {
 /// Runs every measurement on this process; with `group`, every rank runs them at once, the
 /// figures are averaged over the ranks and the all-reduces are timed.
 pub fn measure(options: &Options, group: Option<&ProcessGroup>) -> Result<Measurements> {
+    let rounds = options.rounds.max(1);
+    let each = Options {
+        min_seconds: options.min_seconds / rounds as f64,
+        ..options.clone()
+    };
+    let taken = (0..rounds)
+        .map(|_| measure_here(&each))
+        .collect::<Result<Vec<_>>>()?;
+    let mut m = mean_of_rounds(taken);
+    m.ranks = group.map_or(1, |g| g.size());
+    if let Some(g) = group {
+        average_over(g, &mut m)?;
+        m.rank_excess = measure_rank_excess(options, g)?;
+    }
+    // The group is Gloo's: its all-reduces are what CPU ranks use. A GPU's collectives run
+    // on NCCL, which this measurement does not time; its datasheet figures stay.
+    if let Some(g) = group.filter(|_| options.device == Device::Cpu) {
+        for &bytes in &COLLECTIVE_BYTES {
+            let mut t = Tensor::zeros([(bytes / 4).max(1) as i64], (Kind::Float, options.device));
+            let secs = time_collective(g, 0.0, || Ok(g.all_reduce(&mut t, ReduceOp::Sum)?))?;
+            m.allreduce.push((bytes, secs));
+        }
+        // The runtime's exchange among its ranks (rollouts, inference rows, metrics), through
+        // its own function: every rank's share of `bytes` to every rank.
+        let n = g.size() as u64;
+        for &bytes in &EXCHANGE_BYTES {
+            let share = vec![7u8; (bytes / n).max(1) as usize];
+            for skew in std::iter::once(0.0).chain(EXCHANGE_SKEWS) {
+                let secs = time_collective(g, skew, || {
+                    crate::exec::all_gather_bytes(g, share.clone()).map(|_| ())
+                })?;
+                if skew == 0.0 {
+                    m.allgather.push((bytes, secs));
+                } else {
+                    m.allgather_apart.push((skew, bytes, secs));
+                }
+            }
+        }
+    }
+    Ok(m)
+}
+
+/// The timings on this rank alone, once: products, memory bandwidth, the tiny models' passes.
+fn measure_here(options: &Options) -> Result<Measurements> {
     let _guard = tch::no_grad_guard();
     let opts = (options.kind, options.device);
     let mut matmul = Vec::new();
@@ -327,47 +400,56 @@ pub fn measure(options: &Options, group: Option<&ProcessGroup>) -> Result<Measur
             measure_passes(options, hidden, layers, &mut passes)?;
         }
     }
-    let mut m = Measurements {
+    Ok(Measurements {
         matmul,
         step_matmul,
         mem_bandwidth,
         passes,
-        allreduce: Vec::new(),
-        allgather: Vec::new(),
-        allgather_apart: Vec::new(),
-        ranks: group.map_or(1, |g| g.size()),
-        rank_excess: Vec::new(),
-    };
-    if let Some(g) = group {
-        average_over(g, &mut m)?;
-        m.rank_excess = measure_rank_excess(options, g)?;
+        ..Measurements::default()
+    })
+}
+
+/// The rounds' timings as one: each pass's seconds their mean, each rate the work over the
+/// mean of its seconds (the harmonic mean of the rates). Every round timed the same points
+/// in the same order.
+fn mean_of_rounds(mut taken: Vec<Measurements>) -> Measurements {
+    if taken.len() < 2 {
+        return taken.pop().unwrap_or_default();
     }
-    // The group is Gloo's: its all-reduces are what CPU ranks use. A GPU's collectives run
-    // on NCCL, which this measurement does not time; its datasheet figures stay.
-    if let Some(g) = group.filter(|_| options.device == Device::Cpu) {
-        for &bytes in &COLLECTIVE_BYTES {
-            let mut t = Tensor::zeros([(bytes / 4).max(1) as i64], (Kind::Float, options.device));
-            let secs = time_collective(g, 0.0, || Ok(g.all_reduce(&mut t, ReduceOp::Sum)?))?;
-            m.allreduce.push((bytes, secs));
+    let n = taken.len() as f64;
+    let mut m = taken.pop().unwrap_or_default();
+    let rate = |r: f64| if r > 0.0 { 1.0 / r } else { 0.0 };
+    let back = |t: f64| if t > 0.0 { n / t } else { 0.0 };
+    for r in m.matmul.iter_mut().chain(m.step_matmul.iter_mut()) {
+        r.flops = rate(r.flops);
+    }
+    m.mem_bandwidth = rate(m.mem_bandwidth);
+    for o in &taken {
+        for (r, x) in m
+            .matmul
+            .iter_mut()
+            .chain(m.step_matmul.iter_mut())
+            .zip(o.matmul.iter().chain(&o.step_matmul))
+        {
+            r.flops += rate(x.flops);
         }
-        // The runtime's exchange among its ranks (rollouts, inference rows, metrics), through
-        // its own function: every rank's share of `bytes` to every rank.
-        let n = g.size() as u64;
-        for &bytes in &EXCHANGE_BYTES {
-            let share = vec![7u8; (bytes / n).max(1) as usize];
-            for skew in std::iter::once(0.0).chain(EXCHANGE_SKEWS) {
-                let secs = time_collective(g, skew, || {
-                    crate::exec::all_gather_bytes(g, share.clone()).map(|_| ())
-                })?;
-                if skew == 0.0 {
-                    m.allgather.push((bytes, secs));
-                } else {
-                    m.allgather_apart.push((skew, bytes, secs));
-                }
+        m.mem_bandwidth += rate(o.mem_bandwidth);
+        for (mine, theirs) in m.passes.all_mut().into_iter().zip(o.passes.all()) {
+            for (p, q) in mine.iter_mut().zip(theirs) {
+                p.secs += q.secs;
             }
         }
     }
-    Ok(m)
+    for r in m.matmul.iter_mut().chain(m.step_matmul.iter_mut()) {
+        r.flops = back(r.flops);
+    }
+    m.mem_bandwidth = back(m.mem_bandwidth);
+    for v in m.passes.all_mut() {
+        for p in v.iter_mut() {
+            p.secs /= n;
+        }
+    }
+    m
 }
 
 /// Seconds per call of the collective `f` over `g`, as a run meets it: after every rank has
@@ -743,14 +825,7 @@ fn average_over(g: &ProcessGroup, m: &mut Measurements) -> Result<()> {
         .map(|r| r.flops)
         .collect();
     flat.push(m.mem_bandwidth);
-    let p = &m.passes;
-    for v in [
-        &p.decode_step,
-        &p.prefill,
-        &p.forward,
-        &p.train_microbatch,
-        &p.optimizer,
-    ] {
+    for v in m.passes.all() {
         flat.extend(v.iter().map(|x| x.secs));
     }
     let mut t = Tensor::from_slice(&flat);
@@ -761,14 +836,7 @@ fn average_over(g: &ProcessGroup, m: &mut Measurements) -> Result<()> {
         r.flops = it.next().unwrap_or(r.flops);
     }
     m.mem_bandwidth = it.next().unwrap_or(m.mem_bandwidth);
-    let p = &mut m.passes;
-    for v in [
-        &mut p.decode_step,
-        &mut p.prefill,
-        &mut p.forward,
-        &mut p.train_microbatch,
-        &mut p.optimizer,
-    ] {
+    for v in m.passes.all_mut() {
         for x in v.iter_mut() {
             x.secs = it.next().unwrap_or(x.secs);
         }
@@ -1134,6 +1202,38 @@ mod tests {
         assert_eq!(mean_step(&logs, 0), Some(25.0 / 8.0));
         assert_eq!(mean_step(&logs, 4), None);
         assert_eq!(mean_step(&[], 0), None);
+    }
+
+    #[test]
+    fn rounds_keep_the_mean_seconds_of_every_timing() {
+        // Two rounds of the same points: a product at 2 and at 1 GFLOP/s (its work in 1 and
+        // 2 s: a mean of 1.5 s, so 4/3 GFLOP/s), memory likewise, a pass in 0.1 and 0.3 s.
+        let round = |flops: f64, bw: f64, secs: f64| Measurements {
+            matmul: vec![MatmulRate {
+                rows: 8,
+                width: 64,
+                flops,
+            }],
+            mem_bandwidth: bw,
+            passes: PassTimes {
+                forward: vec![PassPoint {
+                    hidden: 64,
+                    layers: 1,
+                    rows: 8,
+                    len: 16,
+                    secs,
+                }],
+                ..PassTimes::default()
+            },
+            ..Measurements::default()
+        };
+        let m = mean_of_rounds(vec![round(2e9, 10e9, 0.1), round(1e9, 5e9, 0.3)]);
+        assert!((m.matmul[0].flops - 4e9 / 3.0).abs() < 1.0);
+        assert!((m.mem_bandwidth - 20e9 / 3.0).abs() < 1.0);
+        assert!((m.passes.forward[0].secs - 0.2).abs() < 1e-12);
+        assert_eq!((m.matmul[0].rows, m.passes.forward[0].len), (8, 16));
+        // One round is itself.
+        assert_eq!(mean_of_rounds(vec![round(2e9, 10e9, 0.1)]), round(2e9, 10e9, 0.1));
     }
 
     #[test]
