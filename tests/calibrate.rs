@@ -421,13 +421,26 @@ fn calibrate_refuses_options_it_cannot_honour() {
     let dir = Tmp::new("calibrate", "options");
     let path = dir.join("cpu.json");
     for (flag, value, says) in [
-        ("--min-seconds", "0", "--min-seconds 0: must be a positive number"),
+        (
+            "--min-seconds",
+            "0",
+            "--min-seconds 0: must be a positive number",
+        ),
         ("--min-seconds", "nan", "must be a positive number"),
         ("--rounds", "0", "--rounds 0: at least one round"),
     ] {
         let out = braid(&["calibrate", flag, value, "-o", s(&path)]);
-        assert_eq!(out.status.code(), Some(2), "{flag} {value}: {}", stderr(&out));
-        assert!(stderr(&out).contains(says), "{flag} {value}: {}", stderr(&out));
+        assert_eq!(
+            out.status.code(),
+            Some(2),
+            "{flag} {value}: {}",
+            stderr(&out)
+        );
+        assert!(
+            stderr(&out).contains(says),
+            "{flag} {value}: {}",
+            stderr(&out)
+        );
         assert!(!path.exists(), "{flag} {value}: a profile was written");
     }
 }

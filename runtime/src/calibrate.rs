@@ -1233,7 +1233,10 @@ mod tests {
         assert!((m.passes.forward[0].secs - 0.2).abs() < 1e-12);
         assert_eq!((m.matmul[0].rows, m.passes.forward[0].len), (8, 16));
         // One round is itself.
-        assert_eq!(mean_of_rounds(vec![round(2e9, 10e9, 0.1)]), round(2e9, 10e9, 0.1));
+        assert_eq!(
+            mean_of_rounds(vec![round(2e9, 10e9, 0.1)]),
+            round(2e9, 10e9, 0.1)
+        );
     }
 
     #[test]
