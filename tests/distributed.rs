@@ -182,6 +182,20 @@ fn pinned_ppo_tiny(tag: &str, steps: u32, places: &[&str]) -> std::path::PathBuf
     file
 }
 
+/// `braid launch` of a pinned program (`pinned_ppo_tiny`) on 2 ranks into `run_dir`, without
+/// checkpoints, with `extra` arguments after those.
+fn run_pinned(file: &Path, run_dir: &Path, extra: &[&str], limit: Duration) -> (bool, String) {
+    let mut args = vec![
+        file.to_str().unwrap(),
+        "--run-dir",
+        run_dir.to_str().unwrap(),
+        "--checkpoint-every",
+        "0",
+    ];
+    args.extend_from_slice(extra);
+    launch_run(2, &args, limit)
+}
+
 fn close(a: f64, b: f64) -> bool {
     (a - b).abs() <= TOL * (1.0 + a.abs().max(b.abs()))
 }
@@ -604,17 +618,7 @@ fn a_consumer_on_another_rank_streams_and_ppo_learns() {
         ],
     );
     let run_dir = dir.join("run");
-    let (ok, stderr) = launch_run(
-        2,
-        &[
-            file.to_str().unwrap(),
-            "--run-dir",
-            run_dir.to_str().unwrap(),
-            "--checkpoint-every",
-            "0",
-        ],
-        Duration::from_secs(900),
-    );
+    let (ok, stderr) = run_pinned(&file, &run_dir, &[], Duration::from_secs(900));
     let _ = std::fs::remove_file(&file);
     assert!(ok, "{stderr}");
     let line = stderr
@@ -1423,18 +1427,9 @@ fn a_rank_that_only_generates_and_scores_streams_and_trains_beside_the_other() {
     let mut runs = Vec::new();
     for (name, extra) in [("fused", None), ("unfused", Some("--no-fuse"))] {
         let run_dir = dir.join(name);
-        let mut args = vec![
-            file.to_str().unwrap().to_string(),
-            "--run-dir".into(),
-            run_dir.to_str().unwrap().into(),
-            "--checkpoint-every".into(),
-            "0".into(),
-            "--gen-lengths".into(),
-            "fixed:16".into(),
-        ];
-        args.extend(extra.map(String::from));
-        let refs: Vec<&str> = args.iter().map(|s| s.as_str()).collect();
-        let (ok, stderr) = launch_run(2, &refs, Duration::from_secs(600));
+        let mut args = vec!["--gen-lengths", "fixed:16"];
+        args.extend(extra);
+        let (ok, stderr) = run_pinned(&file, &run_dir, &args, Duration::from_secs(600));
         if !ok {
             let _ = std::fs::remove_file(&file);
             panic!("{name}: {stderr}");
@@ -1614,18 +1609,10 @@ fn a_transfer_is_not_held_past_a_training_on_the_rank_it_leaves_from() {
         ],
     );
     let run_dir = dir.join("run");
-    let (ok, stderr) = launch_run(
-        2,
-        &[
-            file.to_str().unwrap(),
-            "--run-dir",
-            run_dir.to_str().unwrap(),
-            "--checkpoint-every",
-            "0",
-            "--gen-lengths",
-            "fixed:16",
-            "--no-fuse",
-        ],
+    let (ok, stderr) = run_pinned(
+        &file,
+        &run_dir,
+        &["--gen-lengths", "fixed:16", "--no-fuse"],
         Duration::from_secs(600),
     );
     let _ = std::fs::remove_file(&file);
